@@ -1,0 +1,90 @@
+"""Model architecture description shared by every loader and the model code.
+
+Parameter tree (what every loader returns, numpy float32 arrays unless noted):
+
+    {
+      "embed":      [vocab, hidden],
+      "final_norm": [hidden],
+      "lm_head":    [hidden, vocab]            # absent when tie_embeddings (embed.T is used)
+      "layers": [                              # one dict per layer, num_layers of them
+        {
+          "attn_norm": [hidden],
+          "wq": [hidden, num_heads * head_dim],
+          "wk": [hidden, num_kv_heads * head_dim],
+          "wv": [hidden, num_kv_heads * head_dim],
+          "bq": [num_heads * head_dim], "bk": [...], "bv": [...]   # only when qkv_bias
+          "wo": [num_heads * head_dim, hidden],
+          "mlp_norm": [hidden],
+          "w_gate": [hidden, intermediate], "w_up": [hidden, intermediate],
+          "w_down": [intermediate, hidden],
+        }, ...
+      ],
+    }
+
+Matrices are stored (in, out) so the model computes ``x @ w``. q/k follow the Hugging Face
+convention: rotary embedding in the half-split ("NeoX") layout. The GGUF loader undoes
+llama.cpp's per-head q/k row permutation to get there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 8192
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Llama 3.x long-context rope scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain rope.
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for one token over all layers, in float32 bytes (scale for bf16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = 2 * h + h * qd + 2 * h * kd + qd * h + 3 * h * i
+        if self.qkv_bias:
+            per_layer += qd + 2 * kd
+        total = v * h + h + self.num_layers * per_layer
+        if not self.tie_embeddings:
+            total += h * v
+        return total
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)

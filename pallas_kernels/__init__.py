@@ -1,0 +1,36 @@
+"""Attention behind one interface.
+
+`paged_attention(...)` takes the same arguments as `reference.paged_attention_reference`
+(see its shape comments) and picks an implementation by backend: the Pallas GPU kernels
+when running on a GPU, the jnp reference elsewhere. `impl` forces one ("reference",
+"pallas", "pallas_interpret").
+"""
+
+from __future__ import annotations
+
+import jax
+
+from .reference import dense_attention_reference, paged_attention_reference
+
+__all__ = ["paged_attention", "paged_attention_reference", "dense_attention_reference",
+           "default_impl"]
+
+
+def default_impl() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens, *,
+                    impl: str | None = None, pages_per_block: int = 8, scale=None):
+    impl = impl or default_impl()
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, page_tables, context_lens,
+                                         query_lens, pages_per_block=pages_per_block,
+                                         scale=scale)
+    if impl in ("pallas", "pallas_interpret"):
+        from .paged_attention import paged_attention_pallas
+
+        return paged_attention_pallas(q, k_pages, v_pages, page_tables, context_lens,
+                                      query_lens, scale=scale,
+                                      interpret=impl == "pallas_interpret")
+    raise ValueError(f"unknown attention {impl=}; expected reference, pallas or pallas_interpret")

@@ -1,0 +1,100 @@
+"""What the outside world (app/) hands the engine and gets back.
+
+A submission is a `GenerateRequest`; the engine answers with a `RequestHandle` whose
+`events` channel yields `TokenEvent`s then exactly one `FinishEvent` or `ErrorEvent`.
+`submit` never blocks: a full queue raises `Overloaded` at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .protocol import SamplingParams, TokenLogprob
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()  # stop strings (never included in the output text)
+    stop_token_ids: Sequence[int] = ()  # extra stop tokens beside the model's eos
+    ignore_eos: bool = False
+    tenant: str = "anonymous"
+    priority: int = 0  # smaller is more urgent (vLLM's convention); app clamps per tenant
+    weight: float = 1.0  # the tenant's fair-share weight
+    tenant_max_running: int | None = None  # per-tenant concurrency limit inside the engine
+    cache_salt: str = ""  # prefix-cache isolation (tenant and adapter, unless shared)
+    request_id: str | None = None  # a uuid4 hex is assigned when None
+    deadline_s: float | None = None  # longest queue wait before shedding; None: engine default
+    batch: bool = False  # background batch job: runs only in idle capacity
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    text: str  # final text (held back while it could still be part of a stop string)
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Any, ...] = ()  # per token: SampledToken-like (token_id, logprob, top_logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    ttft_s: float | None
+    queue_s: float | None
+    e2e_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    message: str
+    kind: str = "server_error"  # "server_error" | "shed" (waited past its deadline) | "overloaded"
+    retry_after_s: float | None = None
+
+
+class Overloaded(Exception):
+    """Raised by `submit` when the request cannot be queued; answer 429 with Retry-After."""
+
+    def __init__(self, reason: str, retry_after_s: float, message: str = "") -> None:
+        super().__init__(message or f"overloaded: {reason}")
+        self.reason = reason  # "queue_full" | "queue_tokens" | "tenant_limit" | "too_long" | ...
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(Exception):
+    """Raised by `submit` once the engine loop has failed for good."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    oldest_waiting_age_s: float
+    kv_pages_total: int  # usable pages (null page excluded)
+    kv_pages_in_use: int  # referenced by live sequences
+    kv_pages_cached: int  # unreferenced, kept for prefix hits (evictable)
+    kv_pages_free: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    preemptions: int
+    rejections: dict[str, int]
+    steps: int
+    busy_s: float  # wall time spent inside runner steps
+    uptime_s: float
+    real_tokens: int  # tokens computed that belonged to a request
+    padded_tokens: int  # tokens computed including bucket padding
+    prompt_tokens: int
+    generation_tokens: int
+    alive: bool
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.uptime_s if self.uptime_s > 0 else 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_pages_in_use / self.kv_pages_total if self.kv_pages_total else 0.0

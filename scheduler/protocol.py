@@ -1,0 +1,147 @@
+"""The narrow waist between policy and compute.
+
+The scheduler decides *what* runs each iteration and describes it as a `StepPlan`; a
+`Runner` (the JAX model runner in `model/runner.py`, or a deterministic fake in the tests)
+decides *how*. Nothing here imports JAX or trio, so the whole policy is testable on a
+laptop with a fake runner whose outputs can be worked out by hand.
+
+Invariants a runner may rely on:
+- every chunk's `page_table` covers positions ``[0, start_pos + len(token_ids))``;
+  page ids are in ``[1, num_pages)`` (page 0 is the null page that padding writes to);
+- the pages a chunk writes (positions ``start_pos ..``) are owned by that sequence alone
+  (shared prefix pages are never written: copy-on-write happens through `copies`);
+- `copies` run before any chunk of the same plan reads or writes the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings, as the OpenAI API names them.
+
+    `temperature == 0` means greedy. `seed` makes sampling reproducible per request,
+    whatever else shares the batch: the runner derives the key for the n-th generated
+    token from (seed, n) alone.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One sequence's share of a step: new tokens to run through the model."""
+
+    seq_id: int  # stable small integer for the sequence's lifetime (not the request uuid)
+    token_ids: Sequence[int]  # tokens whose K/V this step computes and writes (len >= 1)
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the pool
+    page_table: Sequence[int]  # page ids covering [0, start_pos + len(token_ids))
+    sample: bool  # True when the chunk ends at the last known token: sample the next one
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_generated: int = 0  # tokens generated so far (keys the seeded PRNG stream)
+    # Tokens that penalties count (generated tokens; the prompt counts for repetition_penalty).
+    penalty_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything one iteration asks of the runner.
+
+    Decode chunks (one token) come first, then prefill chunks. The scheduler keeps
+    ``len(chunks)`` and the token total within the runner's `StepLimits`.
+    """
+
+    chunks: list[SeqChunk]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src_page, dst_page)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What came back: one sampled token per chunk whose `sample` was True, keyed by seq_id."""
+
+    sampled: dict[int, SampledToken]
+    padded_tokens: int = 0  # tokens computed including bucket padding
+    real_tokens: int = 0  # tokens that belonged to a chunk
+    device_seconds: float = 0.0  # time spent inside the runner for this step
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What the runner can take in one step (derived from its compiled buckets)."""
+
+    max_decode_seqs: int  # decode chunks (1 token each) per step
+    max_prefill_seqs: int  # prefill chunks per step
+    max_prefill_chunk: int  # tokens in one prefill chunk
+    max_prefill_tokens: int  # all prefill tokens in one step
+
+
+class Runner(Protocol):
+    """What the scheduler needs from a model runner."""
+
+    page_size: int
+    num_pages: int  # including the null page 0
+    max_context: int  # positions the model supports
+    eos_token_ids: frozenset[int]
+
+    @property
+    def limits(self) -> StepLimits: ...
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run one step. Called from a worker thread, one at a time."""
+        ...
+
+
+class IncrementalDecoder(Protocol):
+    def push(self, token_id: int) -> str:
+        """Feed one token; return text that is now final (never half a UTF-8 character)."""
+        ...
+
+    def flush(self) -> str:
+        """End of stream: whatever is still held back."""
+        ...
+
+
+class Detokenizer(Protocol):
+    def incremental(self, prompt_ids: Sequence[int]) -> IncrementalDecoder: ...
