@@ -105,6 +105,7 @@ class StepResult:
     padded_tokens: int = 0  # tokens computed including bucket padding
     real_tokens: int = 0  # tokens that belonged to a chunk
     device_seconds: float = 0.0  # time spent inside the runner for this step
+    logits: dict[int, object] | None = None  # seq_id -> [vocab] floats, only when asked (tests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,395 @@
+"""The model runner: turns a `StepPlan` into device arrays, runs a precompiled step, and
+returns one sampled token per sequence with a single device-to-host copy.
+
+Shapes are fixed by buckets: a step is (decode sequences, prefill tokens). Every bucket
+pair is compiled ahead of time by `warmup()` and the executables are kept in a dict; a
+step whose shape has no executable is a bug, never a silent compile. The KV pool is
+allocated once at construction (page 0 is the null page that padding writes to) and
+donated into every step so XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scheduler.protocol import (SampledToken, StepLimits, StepPlan, StepResult,
+                                TokenLogprob)
+
+from . import sampling
+from .config import ModelConfig
+from .llama import StepBatch, forward, prepare_params, rope_inv_freq
+
+_COPY_BUCKET = 16
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Persist compiled executables across processes (restarts, test runs)."""
+    path = path or os.environ.get("SLUICE_JAX_CACHE") or os.path.join(
+        os.environ.get("SLUICE_CACHE", os.path.expanduser("~/.cache/sluice")), "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def resolve_dtype(dtype: str):
+    if dtype in ("auto", None):
+        return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
+    return {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
+            "bf16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dec_seqs: int
+    pf_tokens: int
+
+
+class ModelRunner:
+    """Implements `scheduler.protocol.Runner` for the Llama family in JAX."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int = 1 << 30,
+        max_context: int | None = None,
+        decode_buckets: Iterable[int] = (1, 2, 4, 8, 16, 32, 64),
+        prefill_buckets: Iterable[int] = (64, 256, 512),
+        block_q: int = 16,
+        max_prefill_seqs: int = 4,
+        dtype: str = "auto",
+        attention_impl: str | None = None,
+        pages_per_block: int = 8,
+    ) -> None:
+        self.config = cfg = config
+        self.dtype = resolve_dtype(dtype)
+        self.page_size = page_size
+        self.block_q = block_q
+        self.max_context = min(max_context or cfg.max_position, cfg.max_position)
+        self.eos_token_ids = frozenset(eos_token_ids or cfg.eos_token_ids)
+        self.decode_buckets = sorted(set(decode_buckets))
+        self.prefill_buckets = sorted(set(prefill_buckets))
+        for b in self.prefill_buckets:
+            if b % block_q:
+                raise ValueError(f"prefill bucket {b} must be a multiple of {block_q=}")
+        self.max_prefill_seqs = max_prefill_seqs
+        self.pages_per_block = pages_per_block
+        pages_per_seq = math.ceil(self.max_context / page_size)
+        self.pages_per_seq = math.ceil(pages_per_seq / pages_per_block) * pages_per_block
+        from pallas_kernels import default_impl
+
+        self.attention_impl = attention_impl or default_impl()
+
+        itemsize = jnp.dtype(self.dtype).itemsize
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+        page_bytes = self.kv_bytes_per_token * page_size
+        if num_pages is None:
+            num_pages = max(2, kv_cache_bytes // page_bytes)
+        self.num_pages = int(num_pages)
+        self.kv_bytes = self.num_pages * page_bytes
+
+        self.params = prepare_params(params, cfg, self.dtype)
+        shape = (self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+                        for _ in range(cfg.num_layers))
+        self._inv_freq = rope_inv_freq(cfg)
+        self._fwd: dict[Bucket, Callable] = {}
+        self._samplers: dict[tuple[str, int, int], Callable] = {}
+        self._copy = None
+        self._lock = threading.Lock()
+        self._rng = np.random.default_rng()
+        self.compile_seconds = 0.0
+
+    # ----------------------------------------------------------------- limits and buckets
+    @property
+    def limits(self) -> StepLimits:
+        max_pf = self.prefill_buckets[-1] if self.prefill_buckets else 0
+        # Each chunk pads up to a multiple of block_q; keep the worst case inside the bucket.
+        budget = max(0, max_pf - self.max_prefill_seqs * (self.block_q - 1))
+        return StepLimits(
+            max_decode_seqs=self.decode_buckets[-1] if self.decode_buckets else 0,
+            max_prefill_seqs=self.max_prefill_seqs if max_pf else 0,
+            max_prefill_chunk=budget,
+            max_prefill_tokens=budget,
+        )
+
+    def buckets(self) -> list[Bucket]:
+        out = []
+        for d in [0, *self.decode_buckets]:
+            for p in [0, *self.prefill_buckets]:
+                if d or p:
+                    out.append(Bucket(d, p))
+        return out
+
+    def _sample_rows(self, bucket: Bucket) -> int:
+        return bucket.dec_seqs + min(bucket.pf_tokens // self.block_q, self.max_prefill_seqs)
+
+    def describe(self) -> dict:
+        return {
+            "model": self.config.name,
+            "dtype": jnp.dtype(self.dtype).name,
+            "attention": self.attention_impl,
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_bytes": self.kv_bytes,
+            "kv_capacity_tokens": (self.num_pages - 1) * self.page_size,
+            "max_context": self.max_context,
+            "buckets": len(self.buckets()),
+        }
+
+    # ------------------------------------------------------------------------ compiling
+    def _batch_shapes(self, b: Bucket) -> StepBatch:
+        blocks = b.pf_tokens // self.block_q
+        t = b.dec_seqs + b.pf_tokens
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        return StepBatch(
+            tokens=i32(t), positions=i32(t), slots=i32(t),
+            dec_page_tables=i32(b.dec_seqs, self.pages_per_seq),
+            dec_context_lens=i32(b.dec_seqs),
+            pf_page_tables=i32(blocks, self.pages_per_seq),
+            pf_context_lens=i32(blocks), pf_query_lens=i32(blocks),
+            sample_idx=i32(self._sample_rows(b)),
+        )
+
+    def _compile_forward(self, b: Bucket) -> Callable:
+        fn = functools.partial(
+            forward, cfg=self.config, inv_freq=self._inv_freq, dec_seqs=b.dec_seqs,
+            pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
+            page_size=self.page_size, attention_impl=self.attention_impl,
+            pages_per_block=self.pages_per_block)
+        return jax.jit(fn, donate_argnums=(1,)).lower(
+            self.params, self.kv, self._batch_shapes(b)).compile()
+
+    def _sampling_shapes(self, rows: int, history: int) -> sampling.SamplingBatch:
+        f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
+        i32 = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        hist = jax.ShapeDtypeStruct((rows, history), jnp.int32)
+        return sampling.SamplingBatch(
+            temperature=f32, top_p=f32, top_k=i32, min_p=f32,
+            seed=jax.ShapeDtypeStruct((rows,), jnp.uint32), step=i32,
+            presence=f32, frequency=f32, repetition=f32,
+            generated_ids=hist, prompt_ids=hist)
+
+    def _compile_sampler(self, kind: str, rows: int, history: int) -> Callable:
+        logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+        if kind == "greedy":
+            return jax.jit(sampling.sample_greedy).lower(logits).compile()
+        return jax.jit(sampling.sample_full).lower(
+            logits, self._sampling_shapes(rows, history)).compile()
+
+    def _sampler_keys(self) -> list[tuple[str, int, int]]:
+        rows = sorted({self._sample_rows(b) for b in self.buckets()})
+        keys = []
+        for r in rows:
+            keys += [("greedy", r, 0), ("full", r, 1), ("full", r, self.max_context)]
+        return keys
+
+    def warmup(self, progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Compile every bucket's step, every sampler variant and the page copy."""
+        jobs: list[tuple[str, Callable[[], None]]] = []
+        for b in self.buckets():
+            jobs.append((f"step decode={b.dec_seqs} prefill={b.pf_tokens}",
+                         functools.partial(self._warm_forward, b)))
+        for key in self._sampler_keys():
+            jobs.append((f"sampler {key[0]} rows={key[1]}",
+                         functools.partial(self._warm_sampler, key)))
+        jobs.append(("page copy", self._warm_copy))
+        t0 = time.perf_counter()
+        for i, (name, job) in enumerate(jobs):
+            if progress:
+                progress(name, i, len(jobs))
+            job()
+        if progress:
+            progress("done", len(jobs), len(jobs))
+        self.compile_seconds = time.perf_counter() - t0
+
+    def _warm_forward(self, b: Bucket) -> None:
+        if b not in self._fwd:
+            self._fwd[b] = self._compile_forward(b)
+
+    def _warm_sampler(self, key) -> None:
+        if key not in self._samplers:
+            self._samplers[key] = self._compile_sampler(*key)
+
+    def _warm_copy(self) -> None:
+        if self._copy is None:
+            def copy(kv, src, dst):
+                return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv)
+            idx = jax.ShapeDtypeStruct((_COPY_BUCKET,), jnp.int32)
+            self._copy = jax.jit(copy, donate_argnums=(0,)).lower(self.kv, idx, idx).compile()
+
+    # --------------------------------------------------------------------------- a step
+    def step(self, plan: StepPlan, *, return_logits: bool = False) -> StepResult:
+        with self._lock:
+            t0 = time.perf_counter()
+            if plan.copies:
+                self._run_copies(plan.copies)
+            if not plan.chunks:
+                return StepResult(sampled={}, device_seconds=time.perf_counter() - t0)
+            batch, bucket, rows, real = self._pack(plan)
+            fwd = self._fwd.get(bucket)
+            if fwd is None:
+                raise RuntimeError(f"no compiled step for {bucket}; call warmup() first")
+            self.kv, logits = fwd(self.params, self.kv, batch)
+            sampled = self._sample(plan, logits, rows, self._sample_rows(bucket))
+            padded = bucket.dec_seqs + bucket.pf_tokens
+            result = StepResult(sampled=sampled, padded_tokens=padded, real_tokens=real,
+                                device_seconds=time.perf_counter() - t0)
+            if return_logits:
+                host = np.asarray(logits)
+                result.logits = {c.seq_id: host[r] for r, c in enumerate(rows)}
+            return result
+
+    def _run_copies(self, copies: list[tuple[int, int]]) -> None:
+        if self._copy is None:
+            self._warm_copy()
+        for i in range(0, len(copies), _COPY_BUCKET):
+            part = copies[i:i + _COPY_BUCKET]
+            src = np.zeros(_COPY_BUCKET, np.int32)
+            dst = np.zeros(_COPY_BUCKET, np.int32)
+            src[:len(part)] = [s for s, _ in part]
+            dst[:len(part)] = [d for _, d in part]
+            self.kv = self._copy(self.kv, src, dst)
+
+    def _pick(self, buckets: list[int], n: int, what: str) -> int:
+        if n == 0:
+            return 0
+        for b in buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"step has {n} {what}, more than the largest bucket {buckets[-1:]}")
+
+    def _pack(self, plan: StepPlan):
+        ps, bq, pps = self.page_size, self.block_q, self.pages_per_seq
+        dec_cap = self.decode_buckets[-1] if self.decode_buckets else 0
+        dec, pf = [], []
+        for c in plan.chunks:
+            (dec if len(c.token_ids) == 1 and len(dec) < dec_cap else pf).append(c)
+        pf_tokens = sum(-(-len(c.token_ids) // bq) * bq for c in pf)
+        bucket = Bucket(self._pick(self.decode_buckets, len(dec), "decode sequences"),
+                        self._pick(self.prefill_buckets, pf_tokens, "prefill tokens"))
+        if len(pf) > self.max_prefill_seqs:
+            raise ValueError(f"{len(pf)} prefill chunks > {self.max_prefill_seqs=}")
+        nd, blocks = bucket.dec_seqs, bucket.pf_tokens // bq
+        t = nd + bucket.pf_tokens
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.zeros(t, np.int32)
+        dec_pt = np.zeros((nd, pps), np.int32)
+        dec_ctx = np.zeros(nd, np.int32)
+        pf_pt = np.zeros((blocks, pps), np.int32)
+        pf_ctx = np.zeros(blocks, np.int32)
+        pf_ql = np.zeros(blocks, np.int32)
+        n_rows = self._sample_rows(bucket)
+        sample_idx = np.zeros(n_rows, np.int32)
+        rows: list = []  # (row, chunk) for chunks that sample
+
+        for i, c in enumerate(dec):
+            pos = c.start_pos
+            pt = c.page_table
+            tokens[i] = c.token_ids[0]
+            positions[i] = pos
+            slots[i] = pt[pos // ps] * ps + pos % ps
+            dec_pt[i, :len(pt)] = pt
+            dec_ctx[i] = pos + 1
+            if c.sample:
+                sample_idx[len(rows)] = i
+                rows.append(c)
+        flat = nd
+        blk = 0
+        for c in pf:
+            n = len(c.token_ids)
+            pt = np.asarray(c.page_table, np.int32)
+            pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
+            tokens[flat:flat + n] = c.token_ids
+            positions[flat:flat + n] = pos
+            slots[flat:flat + n] = pt[pos // ps] * ps + pos % ps
+            nb = -(-n // bq)
+            for j in range(nb):
+                q = min(bq, n - j * bq)
+                pf_pt[blk, :len(pt)] = pt
+                pf_ctx[blk] = c.start_pos + j * bq + q
+                pf_ql[blk] = q
+                blk += 1
+            if c.sample:
+                sample_idx[len(rows)] = flat + n - 1
+                rows.append(c)
+            flat += nb * bq
+        batch = StepBatch(tokens=tokens, positions=positions, slots=slots,
+                          dec_page_tables=dec_pt, dec_context_lens=dec_ctx,
+                          pf_page_tables=pf_pt, pf_context_lens=pf_ctx,
+                          pf_query_lens=pf_ql, sample_idx=sample_idx)
+        real = sum(len(c.token_ids) for c in plan.chunks)
+        return batch, bucket, rows, real
+
+    def _sample(self, plan: StepPlan, logits, rows: list, n_rows: int) -> dict:
+        if not rows:
+            return {}
+        if all(c.sampling.is_greedy and not c.sampling.needs_penalties for c in rows):
+            packed = self._samplers[("greedy", n_rows, 0)](logits)
+        else:
+            hist = self.max_context if any(c.sampling.needs_penalties for c in rows) else 1
+            packed = self._samplers[("full", n_rows, hist)](
+                logits, self._sampling_batch(rows, n_rows, hist))
+        packed = np.asarray(packed)  # the one device-to-host copy of the step
+        out = {}
+        for r, c in enumerate(rows):
+            sp = c.sampling
+            tok = SampledToken(token_id=int(packed[r, 0]))
+            if sp.logprobs or sp.top_logprobs:
+                tok.logprob = float(packed[r, 1])
+                k = min(sp.top_logprobs, sampling.TOP_LOGPROBS)
+                base = 2
+                tok.top_logprobs = [
+                    TokenLogprob(int(packed[r, base + j]),
+                                 float(packed[r, base + sampling.TOP_LOGPROBS + j]))
+                    for j in range(k)]
+            out[c.seq_id] = tok
+        return out
+
+    def _sampling_batch(self, rows: list, n: int, hist: int) -> sampling.SamplingBatch:
+        temp = np.zeros(n, np.float32)
+        top_p = np.ones(n, np.float32)
+        top_k = np.zeros(n, np.int32)
+        min_p = np.zeros(n, np.float32)
+        seed = np.zeros(n, np.uint32)
+        step = np.zeros(n, np.int32)
+        pres = np.zeros(n, np.float32)
+        freq = np.zeros(n, np.float32)
+        rep = np.ones(n, np.float32)
+        gen = np.full((n, hist), -1, np.int32)
+        prm = np.full((n, hist), -1, np.int32)
+        for r, c in enumerate(rows):
+            sp = c.sampling
+            temp[r], top_p[r], top_k[r], min_p[r] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+            seed[r] = (sp.seed if sp.seed is not None
+                       else self._rng.integers(0, 2**32, dtype=np.uint64)) & 0xFFFFFFFF
+            step[r] = c.num_generated
+            pres[r], freq[r], rep[r] = (sp.presence_penalty, sp.frequency_penalty,
+                                        sp.repetition_penalty)
+            if hist > 1 and sp.needs_penalties:
+                g = list(c.penalty_token_ids)[-hist:]
+                p = list(c.prompt_token_ids)[-hist:]
+                gen[r, :len(g)] = g
+                prm[r, :len(p)] = p
+        return sampling.SamplingBatch(temperature=temp, top_p=top_p, top_k=top_k,
+                                      min_p=min_p, seed=seed, step=step, presence=pres,
+                                      frequency=freq, repetition=rep, generated_ids=gen,
+                                      prompt_ids=prm)
