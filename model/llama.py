@@ -119,6 +119,7 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
     ang = b.positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
     n_dec = dec_seqs
+    page_idx, page_off = b.slots // page_size, b.slots % page_size
     new_kv = []
     for lp, (kc, vc) in zip(params["layers"], kv):
         hn = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -129,9 +130,10 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
         k = qkv[:, h_ * d : (h_ + kvh) * d].reshape(t, kvh, d)
         v = qkv[:, (h_ + kvh) * d :].reshape(t, kvh, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        pool_shape = kc.shape
-        kc = kc.reshape(-1, kvh, d).at[b.slots].set(k.astype(kc.dtype)).reshape(pool_shape)
-        vc = vc.reshape(-1, kvh, d).at[b.slots].set(v.astype(vc.dtype)).reshape(pool_shape)
+        # Index the 4-D pool directly: scattering through a flattening reshape made
+        # XLA:CPU copy the whole pool per layer at one-token steps (tests/model check it).
+        kc = kc.at[page_idx, page_off].set(k.astype(kc.dtype))
+        vc = vc.at[page_idx, page_off].set(v.astype(vc.dtype))
         new_kv.append((kc, vc))
         outs = []
         if n_dec:
