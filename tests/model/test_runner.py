@@ -1,0 +1,142 @@
+"""The model runner on a tiny random model: compiled shapes, pool updates, sampling."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from model.runner import Bucket, ModelRunner
+from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
+
+TINY = ModelConfig(name="tiny-test", vocab_size=300, hidden_size=64, intermediate_size=128,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   max_position=1024, tie_embeddings=True, eos_token_ids=(2,))
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+
+    def r(*s):
+        return (rng.standard_normal(s) * 0.1).astype(np.float32)
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = [{"attn_norm": 1 + r(h), "wq": r(h, qd), "wk": r(h, kd), "wv": r(h, kd),
+               "wo": r(qd, h), "mlp_norm": 1 + r(h), "w_gate": r(h, i), "w_up": r(h, i),
+               "w_down": r(i, h)} for _ in range(cfg.num_layers)]
+    return {"embed": r(cfg.vocab_size, h), "final_norm": 1 + r(h), "layers": layers}
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = ModelRunner(TINY, random_params(TINY), page_size=8, num_pages=96, max_context=512,
+                    decode_buckets=(1, 4), prefill_buckets=(32, 64), block_q=8,
+                    max_prefill_seqs=2)
+    r.warmup()
+    return r
+
+
+def chunk(seq_id, toks, start, pages, *, sample=True, sampling=None, num_generated=0):
+    return SeqChunk(seq_id=seq_id, token_ids=list(toks), start_pos=start, page_table=pages,
+                    sample=sample, sampling=sampling or SamplingParams(temperature=0.0),
+                    num_generated=num_generated)
+
+
+def test_no_full_pool_copies_in_compiled_steps(runner):
+    """XLA:CPU once copied the whole pool per layer per step (NOTES.md): never again."""
+    pool = "{},{},{},{}".format(runner.num_pages, runner.page_size, TINY.num_kv_heads,
+                                TINY.head_dim)
+    flat = "{},{},{}".format(runner.num_pages * runner.page_size, TINY.num_kv_heads,
+                             TINY.head_dim)
+    for b in [Bucket(1, 0), Bucket(4, 0), Bucket(0, 32), Bucket(4, 64)]:
+        text = runner._compile_forward(b).as_text()
+        copies = re.findall(rf"= f32\[(?:{pool}|{flat})\]\S* copy\(", text)
+        assert not copies, f"{b}: {len(copies)} full copies of the KV pool"
+
+
+def test_steady_state_never_compiles(runner):
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        pages = [list(range(1 + 10 * s, 11 + 10 * s)) for s in range(5)]
+        rng = np.random.default_rng(1)
+        for n_dec, pf in [(1, []), (3, []), (4, [20]), (0, [7, 40]), (2, [64]), (4, [9])]:
+            chunks = [chunk(s, [5], 30, pages[s]) for s in range(n_dec)]
+            chunks += [chunk(4 - k, rng.integers(3, 300, n).tolist(), 0, pages[4 - k])
+                       for k, n in enumerate(pf)]
+            runner.step(StepPlan(chunks))
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3,
+                                presence_penalty=0.5)
+        runner.step(StepPlan([chunk(0, [5], 3, pages[0], sampling=seeded)]))
+        runner.step(StepPlan([chunk(0, [5], 3, pages[0])], copies=[(pages[0][0], 95)]))
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
+
+
+def test_chunked_prefill_and_decode_match_one_shot(runner):
+    """The same sequence prefilled in one chunk or three, with scrambled pages, ends with
+    the same logits, and decoding on continues identically."""
+    rng = np.random.default_rng(2)
+    toks = rng.integers(3, 300, 45).tolist()
+    pages_a = [3, 17, 9, 40, 22, 5, 61]
+    pages_b = [70, 2, 33, 81, 14, 50, 11]
+    a = runner.step(StepPlan([chunk(0, toks, 0, pages_a)]), return_logits=True)
+    runner.step(StepPlan([chunk(1, toks[:13], 0, pages_b, sample=False)]))
+    runner.step(StepPlan([chunk(1, toks[13:30], 13, pages_b, sample=False)]))
+    b = runner.step(StepPlan([chunk(1, toks[30:], 30, pages_b)]), return_logits=True)
+    np.testing.assert_allclose(a.logits[0], b.logits[1], atol=1e-4)
+    ta, tb = a.sampled[0].token_id, b.sampled[1].token_id
+    assert ta == tb
+    for pos in range(45, 50):
+        res = runner.step(StepPlan([chunk(0, [ta], pos, pages_a), chunk(1, [tb], pos, pages_b)]),
+                          return_logits=True)
+        np.testing.assert_allclose(res.logits[0], res.logits[1], atol=1e-4)
+        ta, tb = res.sampled[0].token_id, res.sampled[1].token_id
+        assert ta == tb
+
+
+def test_seeded_sampling_is_independent_of_batch(runner):
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    pages = [list(range(1 + 8 * s, 9 + 8 * s)) for s in range(4)]
+    prompt = [7, 8, 9, 10, 11]
+
+    def run(batch_mates: int) -> list[int]:
+        chunks = [chunk(0, prompt, 0, pages[0], sampling=sp)]
+        chunks += [chunk(s, [s + 20], 0, pages[s],
+                         sampling=SamplingParams(temperature=1.0)) for s in
+                   range(1, 1 + batch_mates)]
+        out = []
+        res = runner.step(StepPlan(chunks))
+        for n in range(1, 6):
+            tok = res.sampled[0].token_id
+            out.append(tok)
+            chunks = [chunk(0, [tok], len(prompt) + n - 1, pages[0], sampling=sp,
+                            num_generated=n)]
+            chunks += [chunk(s, [3], n, pages[s], sampling=SamplingParams(
+                temperature=1.0)) for s in range(1, 1 + batch_mates)]
+            res = runner.step(StepPlan(chunks))
+        return out
+
+    assert run(0) == run(3)
+
+
+def test_logprobs_are_log_softmax(runner):
+    sp = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)
+    res = runner.step(StepPlan([chunk(0, [4, 5, 6], 0, [1], sampling=sp)]),
+                      return_logits=True)
+    tok = res.sampled[0]
+    logits = res.logits[0].astype(np.float64)
+    lp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert tok.token_id == int(np.argmax(logits))
+    assert tok.logprob == pytest.approx(lp[tok.token_id], abs=1e-4)
+    assert [t.token_id for t in tok.top_logprobs] == list(np.argsort(-lp)[:5])
