@@ -11,6 +11,11 @@ from __future__ import annotations
 import jax
 
 from .reference import dense_attention_reference, paged_attention_reference
+# Imported here, before `paged_attention` (the function) is defined below: importing the
+# submodule of the same name later, e.g. lazily on the first Pallas call, would rebind the
+# package attribute `pallas_kernels.paged_attention` to the module. (So the attribute is
+# the function; reach the module with `from pallas_kernels.paged_attention import ...`.)
+from . import paged_attention as _kernels  # imports jax and jax.experimental.pallas only
 
 __all__ = ["paged_attention", "paged_attention_reference", "dense_attention_reference",
            "default_impl"]
@@ -28,9 +33,7 @@ def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens, 
                                          query_lens, pages_per_block=pages_per_block,
                                          scale=scale)
     if impl in ("pallas", "pallas_interpret"):
-        from .paged_attention import paged_attention_pallas
-
-        return paged_attention_pallas(q, k_pages, v_pages, page_tables, context_lens,
-                                      query_lens, scale=scale,
-                                      interpret=impl == "pallas_interpret")
+        return _kernels.paged_attention_pallas(q, k_pages, v_pages, page_tables,
+                                               context_lens, query_lens, scale=scale,
+                                               interpret=impl == "pallas_interpret")
     raise ValueError(f"unknown attention {impl=}; expected reference, pallas or pallas_interpret")
