@@ -1,0 +1,14 @@
+"""Pure-Python scheduling: request state, page allocator + prefix cache, per-iteration
+policy, and the trio engine loop that drives a `Runner`.
+
+Module map (read in this order):
+
+- `api`: what app/ submits and receives (GenerateRequest, events, Overloaded, EngineStats).
+- `protocol`: the Runner protocol and StepPlan the model side implements.
+- `request`: `Sequence`, one object per request, mutated only by the scheduler.
+- `pages`: `PageAllocator`, free list, ref counts, prefix cache, copy-on-write.
+- `fairness`: `FairQueue`, priority classes, per-tenant FIFOs and fair share.
+- `policy`: `Scheduler.schedule()`, the per-iteration plan; preemption by recompute.
+- `output`: `OutputStream`, incremental text, stop strings, coalescing.
+- `engine`: `Engine`, the trio task per replica (the only module here importing trio).
+"""

@@ -56,6 +56,16 @@ class ErrorEvent:
     retry_after_s: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestHandle:
+    """What `submit` returns. `events` is a bounded `trio.MemoryReceiveChannel` yielding
+    TokenEvents then exactly one FinishEvent or ErrorEvent, then end of channel. (Typed
+    loosely so this module stays free of trio.)"""
+
+    request_id: str
+    events: Any
+
+
 class Overloaded(Exception):
     """Raised by `submit` when the request cannot be queued; answer 429 with Retry-After."""
 

@@ -1,0 +1,245 @@
+"""The KV page pool's host-side books: free list, reference counts, prefix cache.
+
+The device holds one preallocated pool of `num_pages` pages of `page_size` positions;
+page 0 is the null page that padding writes to, so it is never handed out. This module
+decides which page holds what; the runner only follows the page tables it is given.
+
+Every usable page is in exactly one of three states, and the property tests check it:
+
+- free: ``ref == 0``, not cached, in `_free`;
+- cached: ``ref == 0`` but its contents are registered under a prefix key, in `_lru`
+  (least recently released first). Kept for future prefix hits, evicted only when the
+  free list is empty, so an idle pool fills up with reusable prompts;
+- in use: ``ref > 0``; ``ref`` is the number of page tables holding it (a prefix hit
+  makes one page appear in several tables).
+
+Prefix keys chain: page i's key hashes (key of page i-1, salt, its page_size token ids),
+so a key names the whole prefix up to the end of the page, not just one page's tokens.
+The salt is the request's `cache_salt` (the app puts tenant and adapter there, or "" when
+the operator lets tenants share), so one tenant's prompt is never another's hit. A hit is
+confirmed by comparing parent key, salt and token ids, so a hash collision cannot serve
+wrong K/V. Only full pages are registered; a partial last page is private.
+
+Registered pages and pages with ``ref > 1`` are immutable: a sequence that must write into
+one (its whole prompt was a hit, so the last position is recomputed into the last page)
+first gets a private copy; the (src, dst) pair goes into `StepPlan.copies`, which the
+runner executes before any chunk of that step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Iterable
+
+from .request import Sequence
+
+_ROOT_KEY = 0  # parent key of a sequence's first page
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int, *, prefix_cache: bool = True) -> None:
+        if num_pages < 2:
+            raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the null page)")
+        if page_size < 1:
+            raise ValueError(f"{page_size=} must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.prefix_cache = prefix_cache
+        self.ref = [0] * num_pages
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced
+        self._key_of: list[int | None] = [None] * num_pages
+        self._meta: list[tuple | None] = [None] * num_pages  # (parent_key, salt, tokens)
+        self._page_of_key: dict[int, int] = {}
+        self.query_tokens = 0  # prefix-cache lookups, in tokens
+        self.hit_tokens = 0
+
+    # -- counts ---------------------------------------------------------------------------
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can get now: free ones, then evicted cached ones."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_pages - 1 - len(self._free) - len(self._lru)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """`n` private pages (ref 1). Takes free pages first and evicts the least recently
+        released cached pages only when the free list runs dry."""
+        if n > self.num_available:
+            raise RuntimeError(f"allocate({n}) with only {self.num_available} pages available")
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._lru.popitem(last=False)
+                self._uncache(page)
+            self.ref[page] = 1
+            out.append(page)
+        return out
+
+    def acquire(self, pages: Iterable[int]) -> None:
+        """Take a reference on pages found by `match` (a cached page leaves the LRU)."""
+        ref = self.ref
+        for page in pages:
+            if ref[page] == 0:
+                del self._lru[page]
+            ref[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference on each page. Walks the table backwards so a sequence's tail
+        pages enter the LRU before its head: eviction then trims long prefixes from the end
+        and keeps the widely shared beginnings (system prompts) longest."""
+        ref = self.ref
+        for page in reversed(pages):
+            r = ref[page] - 1
+            if r < 0 or page == 0:
+                raise AssertionError(f"double free of page {page}")
+            ref[page] = r
+            if r == 0:
+                if self._key_of[page] is not None:
+                    self._lru[page] = None
+                else:
+                    self._free.append(page)
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of a sequence's pages (finished, aborted or preempted)."""
+        self.release(seq.kv_pages)
+        seq.kv_pages.clear()
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend the page table (in place) to cover positions ``[0, num_tokens)``."""
+        need = self.pages_for(num_tokens) - len(seq.kv_pages)
+        if need > 0:
+            seq.kv_pages.extend(self.allocate(need))
+
+    def evict(self, n: int) -> int:
+        """Drop up to `n` cached pages to the free list (oldest first); returns how many."""
+        done = 0
+        while done < n and self._lru:
+            page, _ = self._lru.popitem(last=False)
+            self._uncache(page)
+            self._free.append(page)
+            done += 1
+        return done
+
+    # -- copy-on-write --------------------------------------------------------------------
+    def is_writable(self, page: int) -> bool:
+        return self.ref[page] == 1 and self._key_of[page] is None
+
+    def copy_on_write(self, table: list[int], index: int) -> tuple[int, int] | None:
+        """Make ``table[index]`` private before it is written. Returns (src, dst) for the
+        runner to copy, or None when the page already was private. The new page is taken
+        before the old one is released, so they differ; if the old page becomes
+        evictable and is reused in the same step, the copy still reads it first
+        (copies run before chunks)."""
+        src = table[index]
+        if self.is_writable(src):
+            return None
+        dst = self.allocate(1)[0]
+        table[index] = dst
+        self.release([src])
+        return (src, dst)
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def page_key(self, seq: Sequence, i: int) -> int:
+        """Key of the sequence's page i (must be full), memoised on ``seq.page_keys``."""
+        keys = seq.page_keys
+        ps = self.page_size
+        while len(keys) <= i:
+            j = len(keys)
+            parent = keys[j - 1] if j else _ROOT_KEY
+            keys.append(hash((parent, seq.cache_salt, tuple(seq.token_ids[j * ps:(j + 1) * ps]))))
+        return keys[i]
+
+    def match(self, seq: Sequence) -> list[int]:
+        """The longest run of cached pages that holds a prefix of ``seq.token_ids``.
+        Takes no references (see `acquire`) so admission can still say no."""
+        if not self.prefix_cache:
+            return []
+        ps = self.page_size
+        tokens = seq.token_ids
+        hits: list[int] = []
+        for i in range(len(tokens) // ps):
+            key = self.page_key(seq, i)
+            page = self._page_of_key.get(key)
+            if page is None:
+                break
+            parent = seq.page_keys[i - 1] if i else _ROOT_KEY
+            meta = self._meta[page]
+            if (meta[0] != parent or meta[1] != seq.cache_salt
+                    or meta[2] != tuple(tokens[i * ps:(i + 1) * ps])):
+                break  # a hash collision: never serve someone else's K/V
+            hits.append(page)
+        return hits
+
+    def register(self, seq: Sequence, first: int, end: int) -> None:
+        """Offer pages ``[first, end)`` of the sequence (now full and computed) to the
+        cache. A page whose prefix is already cached in another page stays private (two
+        sequences computed the same prompt at once); it goes straight back to the free
+        list when released."""
+        if not self.prefix_cache:
+            return
+        ps = self.page_size
+        for i in range(first, end):
+            page = seq.kv_pages[i]
+            if self._key_of[page] is not None:
+                continue  # already cached (a prefix hit)
+            key = self.page_key(seq, i)
+            if key in self._page_of_key:
+                continue
+            parent = seq.page_keys[i - 1] if i else _ROOT_KEY
+            self._key_of[page] = key
+            self._meta[page] = (parent, seq.cache_salt, tuple(seq.token_ids[i * ps:(i + 1) * ps]))
+            self._page_of_key[key] = page
+
+    def _uncache(self, page: int) -> None:
+        key = self._key_of[page]
+        if key is not None:
+            del self._page_of_key[key]
+            self._key_of[page] = None
+            self._meta[page] = None
+
+    def is_cached(self, page: int) -> bool:
+        return self._key_of[page] is not None
+
+    # -- for tests and debugging ------------------------------------------------------------
+    def check(self, tables: Iterable[list[int]]) -> None:
+        """Assert the invariants against every live page table (O(num_pages))."""
+        counts = [0] * self.num_pages
+        for table in tables:
+            for page in table:
+                assert 0 < page < self.num_pages, f"page {page} out of range"
+                counts[page] += 1
+        assert counts == self.ref, "reference counts differ from page-table references"
+        free, lru = list(self._free), list(self._lru)
+        assert len(set(free)) == len(free), "page twice in the free list"
+        assert not set(free) & set(lru), "page both free and cached"
+        for page in free:
+            assert self.ref[page] == 0 and self._key_of[page] is None
+        for page in lru:
+            assert self.ref[page] == 0 and self._key_of[page] is not None
+        in_use = sum(1 for p in range(1, self.num_pages) if self.ref[p] > 0)
+        assert in_use + len(free) + len(lru) == self.num_pages - 1, "page leaked"
+        assert self.ref[0] == 0 and self._key_of[0] is None, "null page handed out"
+        for key, page in self._page_of_key.items():
+            assert self._key_of[page] == key
+        assert len(self._page_of_key) == sum(k is not None for k in self._key_of)

@@ -1,0 +1,324 @@
+"""The per-iteration policy: which sequences run in the next step, and how many tokens each.
+
+`Scheduler.schedule()` rebuilds the batch from scratch every iteration, in this order:
+
+1. Decodes. Every running sequence that is decoding gets its one token, most urgent first.
+   If one needs a new page (or a private copy of a shared one) and none is available, the
+   least urgent running sequence (lowest priority, latest arrival) is preempted by
+   recompute: its pages are released (full ones stay in the prefix cache) and it goes back
+   to the front of its tenant's line. If it is the only candidate, the needy sequence
+   preempts itself. The running cap guarantees all decodes fit in one step, so a long
+   prefill can never starve them.
+2. Chunks of prompts already being prefilled, within what is left of the step's token
+   budget: ``min(max_step_tokens - decodes, limits.max_prefill_tokens)``, at most
+   `limits.max_prefill_chunk` tokens a chunk and `limits.max_prefill_seqs` chunks a step.
+   A 6,000-token prompt is thus spread over many steps, each also carrying every decode.
+3. Admission (continuous mode): the next waiting sequence by class, fair share and tenant
+   limit (`FairQueue.peek`) is admitted if its pages fit: prompt pages not covered by
+   prefix hits, plus `kv_reserve_pages` kept back for the running decodes to grow into.
+   An admitted sequence gets its first chunk in the same step, so a request joins a running
+   batch within one iteration. A head that does not fit blocks the ones behind it (small
+   requests must not starve a big urgent one forever). A sequence whose next uncached page
+   is being computed right now by a running prefill waits for it instead (then it hits
+   the prefix cache), and the sequences behind it go ahead.
+
+Static mode gathers up to `static_batch_size` sequences when nothing runs, and admits no
+one else until they have all finished: the baseline continuous batching is compared to.
+
+Only host state changes here; the runner sees the result as a `StepPlan`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from config.settings import SchedulerConfig
+
+from .fairness import FairQueue
+from .pages import PageAllocator
+from .protocol import SampledToken, SeqChunk, StepLimits, StepPlan, StepResult
+from .request import Phase, Sequence
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's plan and the sequences behind its chunks (``seqs[i]`` owns chunk i)."""
+
+    plan: StepPlan
+    seqs: list[Sequence]
+    num_decode: int
+    preempted: list[int] = field(default_factory=list)  # seq_ids preempted while planning
+    # Sequences whose pages `plan.copies` fills (a failed step must fail them too, even
+    # those with no chunk in it).
+    copied: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        limits: StepLimits,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.clock = clock
+        self.pages = PageAllocator(num_pages, page_size, prefix_cache=config.prefix_cache)
+        self.waiting = FairQueue()
+        self.running: dict[int, Sequence] = {}  # seq_id -> sequence, admission order
+        self.num_preemptions = 0
+        self.static = config.mode == "static"
+        cap = min(config.max_running, limits.max_decode_seqs, config.max_step_tokens)
+        if self.static:
+            cap = min(cap, config.static_batch_size)
+        # Every running sequence must be able to decode in the same step: no starvation.
+        self.max_running = max(1, cap)
+
+    # -- the queue's side ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.phase = Phase.QUEUED
+        self.waiting.push(seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one iteration -------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """Plan the next step; None when there is nothing to run."""
+        cfg, lim = self.config, self.limits
+        batch = Batch(StepPlan(chunks=[], copies=[]), [], 0)
+        if self.static and not self.running:
+            self._admit_group(batch)
+
+        order = sorted(self.running.values(), key=Sequence.victim_key.fget)
+        self._schedule_decodes(order, batch)
+        num_decode = len(batch.seqs)
+        batch.num_decode = num_decode
+
+        budget = min(cfg.max_step_tokens - num_decode, lim.max_prefill_tokens)
+        slots = lim.max_prefill_seqs
+        for seq in order:
+            if budget <= 0 or slots <= 0:
+                break
+            if seq.phase is Phase.PREFILL:
+                n = self._schedule_prefill(seq, batch, budget)
+                budget -= n
+                slots -= n > 0
+
+        if not self.static:
+            skip: set[Sequence] = set()
+            while budget > 0 and slots > 0 and len(self.running) < self.max_running:
+                seq = self.waiting.peek(skip)
+                if seq is None:
+                    break
+                admitted = self._admit(seq, batch)
+                if admitted is None:
+                    skip.add(seq)  # waits for a prefix being computed right now
+                    continue
+                if not admitted:
+                    break
+                n = self._schedule_prefill(seq, batch, budget)
+                budget -= n
+                slots -= n > 0
+
+        if not batch.seqs and not batch.plan.copies:
+            return None
+        return batch
+
+    def _schedule_decodes(self, order: list[Sequence], batch: Batch) -> None:
+        pages = self.pages
+        ps = pages.page_size
+        chunks, seqs, copies = batch.plan.chunks, batch.seqs, batch.plan.copies
+        decode = Phase.DECODE
+        end = len(order)  # order[i:end] are not planned yet: the only possible victims
+        i = 0
+        while i < end:
+            seq = order[i]
+            i += 1
+            if seq.phase is not decode:
+                continue
+            pos = len(seq.token_ids) - 1  # the last sampled token is written at its position
+            idx = pos // ps
+            table = seq.kv_pages
+            grow = idx >= len(table)
+            if grow or not pages.is_writable(table[idx]):
+                while pages.num_available < 1:
+                    if end > i:
+                        end -= 1
+                        victim = order[end]
+                        if victim.is_running:
+                            self._preempt(victim, batch)
+                    else:
+                        self._preempt(seq, batch)
+                        break
+                if seq.phase is not decode:
+                    continue  # preempted itself: nobody less urgent was left
+                if grow:
+                    table.extend(pages.allocate(1))
+                else:
+                    copies.append(pages.copy_on_write(table, idx))
+                    batch.copied.append(seq)
+            self.waiting.charge(seq, pos + 1)
+            chunks.append(self._chunk(seq, pos, 1))
+            seqs.append(seq)
+
+    def _schedule_prefill(self, seq: Sequence, batch: Batch, budget: int) -> int:
+        start = seq.num_computed_tokens
+        n = min(seq.num_tokens - start, budget, self.limits.max_prefill_chunk)
+        if n <= 0:
+            return 0
+        pages = self.pages
+        idx = start // pages.page_size
+        if not pages.is_writable(seq.kv_pages[idx]):
+            if pages.num_available < 1:
+                return 0  # wait for a page rather than preempt from the prefill side
+            batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, idx))
+            batch.copied.append(seq)
+        batch.plan.chunks.append(self._chunk(seq, start, n))
+        batch.seqs.append(seq)
+        return n
+
+    def _chunk(self, seq: Sequence, start: int, n: int) -> SeqChunk:
+        end = start + n
+        return SeqChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start:end],
+            start_pos=start,
+            page_table=seq.kv_pages,  # the live list: nothing mutates it during the step
+            sample=end == len(seq.token_ids),
+            sampling=seq.sampling,
+            num_generated=len(seq.output_ids),
+            penalty_token_ids=seq.output_ids,
+            prompt_token_ids=seq.prompt_ids,
+        )
+
+    # -- admission and preemption ----------------------------------------------------------
+    def _admit(self, seq: Sequence, batch: Batch, *, wait_for_prefix: bool = True) -> bool | None:
+        """Admit the queue's head if its pages fit; False leaves it at the head. None: it
+        is better off waiting, because a running prefill is computing its next pages."""
+        pages = self.pages
+        hits = pages.match(seq)
+        if wait_for_prefix and self._prefix_in_flight(seq, len(hits)):
+            return None
+        num_tokens = seq.num_tokens
+        cached = len(hits) * pages.page_size
+        # A fully cached sequence still computes its last position, for the logits; that
+        # write lands in a cached page, hence a private copy (one more page).
+        full_hit = cached == num_tokens
+        need = pages.pages_for(num_tokens) - len(hits) + full_hit
+        leaving_lru = sum(1 for p in hits if pages.ref[p] == 0)
+        reserve = self.config.kv_reserve_pages if self.running else 0
+        if need + reserve > pages.num_available - leaving_lru:
+            return False
+
+        self.waiting.admit(seq)
+        pages.acquire(hits)
+        seq.kv_pages.extend(hits)
+        seq.num_computed_tokens = num_tokens - 1 if full_hit else cached
+        if full_hit:
+            batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, len(hits) - 1))
+            batch.copied.append(seq)
+        pages.grow(seq, num_tokens)
+        pages.query_tokens += num_tokens
+        pages.hit_tokens += seq.num_computed_tokens
+        now = self.clock()
+        if seq.admitted_at is None:
+            seq.admitted_at = now
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        seq.phase = Phase.PREFILL
+        self.running[seq.seq_id] = seq
+        # Charge the whole prompt now (cache hits are free) so that the next pick in this
+        # same iteration already sees this tenant's counter move.
+        if seq.num_charged_tokens < seq.num_computed_tokens:
+            seq.num_charged_tokens = seq.num_computed_tokens
+        self.waiting.charge(seq, num_tokens)
+        return True
+
+    def _admit_group(self, batch: Batch) -> None:
+        while len(self.running) < self.max_running:
+            seq = self.waiting.peek()
+            if seq is None or not self._admit(seq, batch, wait_for_prefix=False):
+                return
+
+    def _prefix_in_flight(self, seq: Sequence, num_hits: int) -> bool:
+        """Is a running prefill about to compute the page this sequence misses first?
+
+        Many requests sharing a long system prompt often arrive together. Admitted at once,
+        each would compute the shared prefix itself; held back until the first one has
+        computed it, they all hit the cache and the step budget goes to new work. The
+        wait is short: prefills in progress get their chunks before anyone is admitted.
+        """
+        pages = self.pages
+        ps = pages.page_size
+        end = (num_hits + 1) * ps  # the first missing page, if it is a full one
+        if not pages.prefix_cache or seq.num_tokens < end:
+            return False
+        key = None
+        for other in self.running.values():
+            if (other.phase is Phase.PREFILL and other.num_computed_tokens < end
+                    and other.num_tokens >= end and other.cache_salt == seq.cache_salt):
+                if key is None:
+                    key = pages.page_key(seq, num_hits)
+                if pages.page_key(other, num_hits) == key:
+                    return True
+        return False
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        """Recompute later: release the pages, back to the front of the line."""
+        del self.running[seq.seq_id]
+        self.pages.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.queued_at = self.clock()
+        self.num_preemptions += 1
+        seq.phase = Phase.QUEUED
+        # Queue first, then stop counting it as running: the tenant never looks idle, so
+        # its fair-share counter is kept (preemption is not a reset).
+        self.waiting.push(seq, front=True)
+        self.waiting.stopped(seq)
+        batch.preempted.append(seq.seq_id)
+
+    # -- after the step ------------------------------------------------------------------
+    def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
+        """Record what the step computed; returns the sequences that got a new token (the
+        token already appended). Sequences aborted during the step are skipped."""
+        ps = self.pages.page_size
+        out = []
+        sampled = result.sampled
+        for seq, chunk in zip(batch.seqs, batch.plan.chunks):
+            if seq.aborted or not seq.is_running:
+                continue  # aborted while the step ran: the engine ends it next
+            before = seq.num_computed_tokens
+            after = chunk.start_pos + len(chunk.token_ids)
+            seq.num_computed_tokens = after
+            if after // ps > before // ps:
+                self.pages.register(seq, before // ps, after // ps)
+            if chunk.sample:
+                tok = sampled.get(seq.seq_id)
+                if tok is None:
+                    raise RuntimeError(f"runner returned no token for seq {seq.seq_id}")
+                seq.token_ids.append(tok.token_id)
+                seq.output_ids.append(tok.token_id)
+                seq.phase = Phase.DECODE
+                out.append((seq, tok))
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out for good (finished, aborted, shed, failed): pages back now."""
+        if seq.is_running:
+            del self.running[seq.seq_id]
+            self.pages.free(seq)
+            self.waiting.stopped(seq)
+        elif seq.phase is Phase.QUEUED:
+            self.waiting.remove(seq)
+        seq.phase = Phase.DONE

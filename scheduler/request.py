@@ -1,0 +1,124 @@
+"""One object per request: everything the scheduler knows about it.
+
+A `Sequence` is created by `Engine.submit` and from then on mutated only by the scheduler
+side of the engine (policy, page allocator, output stream), always on the trio thread and
+never while a runner step that includes it is in flight. The runner only reads what the
+`StepPlan` hands it (slices of `token_ids`, the live `kv_pages` list), which is why those
+lists are appended in place and never rebound: no per-token copies.
+
+Token bookkeeping, the one thing to hold in mind:
+
+- ``token_ids`` is prompt + generated tokens; ``output_ids`` is the generated part.
+- ``num_computed_tokens`` counts positions whose K/V is in the pool (prefix-cache hits
+  included). A sequence is decoding when exactly one token, the last sampled one, is not
+  yet computed; before that it is prefilling (in chunks).
+- Preemption by recompute sets ``num_computed_tokens`` back to 0 and releases the pages;
+  ``token_ids`` stays, so on return the prompt *and* the tokens already streamed are
+  prefilled again (mostly prefix-cache hits), and the next sampled token continues the
+  stream where it stopped. Nothing is ever sent twice because output state (decoder,
+  held-back text) lives on the sequence and survives preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from .api import GenerateRequest
+from .protocol import SamplingParams
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  # in the waiting queue (new, or preempted and waiting to return)
+    PREFILL = "prefill"  # admitted: holds pages, prompt chunks still to compute
+    DECODE = "decode"  # one new token per step
+    DONE = "done"  # finished, aborted, shed or failed; pages released
+
+
+class Sequence:
+    __slots__ = (
+        "request_id", "seq_id", "phase",
+        "prompt_ids", "token_ids", "output_ids", "max_tokens",
+        "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
+        "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens",
+        "num_charged_tokens",
+        "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
+        "finished_at", "finish_reason", "num_preemptions", "aborted", "output",
+    )
+
+    def __init__(
+        self,
+        req: GenerateRequest,
+        *,
+        request_id: str,
+        seq_id: int,
+        arrived_at: float,
+        deadline_at: float,
+        arrival_order: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.seq_id = seq_id
+        self.phase = Phase.QUEUED
+        self.prompt_ids: list[int] = list(req.prompt_ids)
+        self.token_ids: list[int] = list(self.prompt_ids)  # prompt + generated, in place
+        self.output_ids: list[int] = []
+        self.max_tokens = req.max_tokens
+        self.sampling: SamplingParams = req.sampling
+        self.tenant = req.tenant
+        self.priority = req.priority
+        self.weight = req.weight if req.weight > 0 else 1.0
+        self.batch = req.batch
+        self.max_running = req.tenant_max_running
+        self.cache_salt = req.cache_salt
+        self.kv_pages: list[int] = []  # page table: page id per page_size positions
+        self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admit)
+        self.num_charged_tokens = 0  # fair-share high-water mark: recompute is not charged
+        self.arrived_at = arrived_at
+        self.arrival_order = arrival_order  # ties in arrived_at (coarse or fake clocks)
+        self.queued_at = arrived_at  # entered the waiting queue (again, after preemption)
+        self.deadline_at = deadline_at  # shed if still waiting, never started, after this
+        self.admitted_at: float | None = None  # first admission (queue_s)
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.aborted = False
+        self.output: Any = None  # the engine's OutputStream (decoder, stops, outbox)
+
+    # -- what the policy asks ------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_running(self) -> bool:
+        return self.phase is Phase.PREFILL or self.phase is Phase.DECODE
+
+    @property
+    def class_key(self) -> tuple[int, int]:
+        """Admission class: interactive before batch, then priority (smaller first)."""
+        return (1 if self.batch else 0, self.priority)
+
+    @property
+    def victim_key(self) -> tuple[int, int, float, int]:
+        """Sorts most urgent first; preemption takes victims from the other end
+        (lowest priority, latest arrived)."""
+        return (1 if self.batch else 0, self.priority, self.arrived_at, self.arrival_order)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, {self.phase.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, pages={len(self.kv_pages)})")

@@ -1,0 +1,181 @@
+"""A deterministic stand-in for the model runner, and a detokenizer to go with it.
+
+`FakeRunner` keeps a fake KV pool: every chunk writes its token ids into the slots its
+page table names, and a sampled token is computed from the context *read back from the
+pool* through the page table. A wrong page table, a missing copy-on-write, a shared page
+that got overwritten or a bad prefix-cache hit therefore changes the output, and the
+tests compare outputs against `reference()`, which applies the same rule to a plain
+list. The default rule is a position-weighted sum of the context, modulo the vocabulary:
+computable by hand, and sensitive to every token and its position.
+
+It also checks the `StepPlan` invariants the real runner relies on (page ids in range,
+page tables covering the chunk, limits, no chunk writing a page another chunk reads) and
+records every plan as plain tuples (page tables are live lists in the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from scheduler.protocol import SampledToken, StepLimits, StepPlan, StepResult
+
+
+def sum_rule(vocab: int) -> Callable[[Sequence[int]], int]:
+    def rule(ctx: Sequence[int]) -> int:
+        return sum((i % 7 + 1) * t for i, t in enumerate(ctx)) % vocab
+    return rule
+
+
+def succ_rule(vocab: int) -> Callable[[Sequence[int]], int]:
+    """Next token = last token + 1: for tests that need a hand-written token stream."""
+    def rule(ctx: Sequence[int]) -> int:
+        return (ctx[-1] + 1) % vocab
+    return rule
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    seq_id: int
+    start_pos: int
+    token_ids: tuple[int, ...]
+    page_table: tuple[int, ...]
+    sample: bool
+    num_generated: int
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    chunks: tuple[ChunkRecord, ...]
+    copies: tuple[tuple[int, int], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def decodes(self) -> tuple[ChunkRecord, ...]:
+        return tuple(c for c in self.chunks if len(c.token_ids) == 1 and c.sample)
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        *,
+        page_size: int = 4,
+        num_pages: int = 256,
+        max_context: int = 4096,
+        vocab: int = 1000,
+        eos: Sequence[int] = (),
+        limits: StepLimits = StepLimits(max_decode_seqs=16, max_prefill_seqs=4,
+                                        max_prefill_chunk=64, max_prefill_tokens=128),
+        rule: Callable[[Sequence[int]], int] | None = None,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_context = max_context
+        self.vocab = vocab
+        self.eos_token_ids = frozenset(eos)
+        self._limits = limits
+        self.rule = rule or sum_rule(vocab)
+        self.pool: list[list[int | None]] = [[None] * page_size for _ in range(num_pages)]
+        self.plans: list[PlanRecord] = []
+        self.fail_next = 0  # raise in the next N steps
+        self.on_step: Callable[[StepPlan], None] | None = None  # runs in the worker thread
+
+    @property
+    def limits(self) -> StepLimits:
+        return self._limits
+
+    def reference(self, prompt: Sequence[int], n: int) -> list[int]:
+        """What an unbatched, unpaged run generates: n tokens after `prompt`."""
+        ctx = list(prompt)
+        out = []
+        for _ in range(n):
+            t = self.rule(ctx)
+            out.append(t)
+            ctx.append(t)
+        return out
+
+    def step(self, plan: StepPlan) -> StepResult:
+        rec = PlanRecord(
+            chunks=tuple(ChunkRecord(c.seq_id, c.start_pos, tuple(c.token_ids),
+                                     tuple(c.page_table), c.sample, c.num_generated)
+                         for c in plan.chunks),
+            copies=tuple(plan.copies))
+        self.plans.append(rec)
+        if self.on_step is not None:
+            self.on_step(plan)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise RuntimeError("injected runner failure")
+        self._check(rec)
+        ps = self.page_size
+        for src, dst in rec.copies:
+            self.pool[dst] = list(self.pool[src])
+        sampled = {}
+        for c in rec.chunks:
+            for i, t in enumerate(c.token_ids):
+                pos = c.start_pos + i
+                self.pool[c.page_table[pos // ps]][pos % ps] = t
+            if c.sample:
+                end = c.start_pos + len(c.token_ids)
+                ctx = [self.pool[c.page_table[p // ps]][p % ps] for p in range(end)]
+                assert None not in ctx, f"seq {c.seq_id} reads a slot never written"
+                sampled[c.seq_id] = SampledToken(token_id=self.rule(ctx), logprob=-1.0)
+        real = rec.num_tokens
+        return StepResult(sampled=sampled, real_tokens=real,
+                          padded_tokens=-(-real // 8) * 8)
+
+    def _check(self, rec: PlanRecord) -> None:
+        lim, ps = self._limits, self.page_size
+        decodes = [c for c in rec.chunks if len(c.token_ids) == 1 and c.sample
+                   and c.num_generated > 0 and c.start_pos > 0]
+        prefills = [c for c in rec.chunks if c not in decodes]
+        assert len(decodes) <= lim.max_decode_seqs, (len(decodes), lim)
+        assert len(prefills) <= lim.max_prefill_seqs + max(
+            0, lim.max_decode_seqs - len(decodes)), (len(prefills), lim)
+        assert all(len(c.token_ids) <= lim.max_prefill_chunk for c in prefills)
+        assert len({c.seq_id for c in rec.chunks}) == len(rec.chunks), "seq twice in a step"
+        dsts = [d for _, d in rec.copies]
+        assert len(set(dsts)) == len(dsts)
+        for c in rec.chunks:
+            end = c.start_pos + len(c.token_ids)
+            assert len(c.token_ids) >= 1
+            assert len(c.page_table) * ps >= end, "page table does not cover the chunk"
+            assert end <= self.max_context
+            assert all(0 < p < self.num_pages for p in c.page_table), c.page_table
+            written = {c.page_table[p // ps] for p in range(c.start_pos, end)}
+            for other in rec.chunks:
+                if other is not c:
+                    shared = written & set(other.page_table)
+                    assert not shared, f"seq {c.seq_id} writes pages {shared} seq " \
+                                       f"{other.seq_id} also maps"
+
+
+class FakeDecoder:
+    def __init__(self, text_of: Callable[[int], str]) -> None:
+        self.text_of = text_of
+
+    def push(self, token_id: int) -> str:
+        return self.text_of(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+def letter(t: int) -> str:
+    return chr(ord("a") + t % 26)
+
+
+class FakeDetokenizer:
+    """Token t is one letter by default (``a`` + t mod 26); pass `text_of` to change it."""
+
+    def __init__(self, text_of: Callable[[int], str] = letter) -> None:
+        self.text_of = text_of
+
+    def incremental(self, prompt_ids: Sequence[int]) -> FakeDecoder:
+        return FakeDecoder(self.text_of)
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        return "".join(self.text_of(t) for t in token_ids)

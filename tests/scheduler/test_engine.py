@@ -1,0 +1,358 @@
+"""The trio engine loop with the fake runner: streaming, joins and leaves, aborts,
+bounded queue, shedding, stops, preemption seen by a client, failures."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+import trio.testing
+
+from config.settings import SchedulerConfig
+from scheduler.api import (EngineDead, ErrorEvent, FinishEvent, GenerateRequest, Overloaded,
+                           TokenEvent)
+from scheduler.engine import EVENT_BUFFER, Engine
+from scheduler.protocol import SamplingParams, StepLimits
+
+from .fake_runner import FakeDetokenizer, FakeRunner, succ_rule
+from .sim import FakeClock
+
+LIMITS = StepLimits(max_decode_seqs=8, max_prefill_seqs=2, max_prefill_chunk=16,
+                    max_prefill_tokens=32)
+
+
+@dataclass
+class Result:
+    events: list = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TokenEvent))
+
+    @property
+    def final(self):
+        return self.events[-1]
+
+
+async def collect(handle) -> Result:
+    r = Result()
+    with trio.fail_after(10):
+        async for ev in handle.events:
+            r.events.append(ev)
+    assert isinstance(r.final, (FinishEvent, ErrorEvent))
+    assert all(isinstance(e, TokenEvent) for e in r.events[:-1])
+    return r
+
+
+def prompt(n, base=1):
+    return [(base + 7 * i) % 97 for i in range(n)]
+
+
+async def start(nursery, runner=None, detok=None, **cfg) -> Engine:
+    runner = runner or FakeRunner(limits=LIMITS)
+    clock = cfg.pop("clock", None)
+    kw = {"clock": clock} if clock else {}
+    eng = Engine(runner, detok or FakeDetokenizer(), SchedulerConfig(**cfg), **kw)
+    await nursery.start(eng.run)
+    return eng
+
+
+def check_pages(eng: Engine) -> None:
+    sched = eng.scheduler
+    sched.pages.check([s.kv_pages for s in sched.running.values()])
+
+
+async def test_stream_matches_reference_and_reports_usage(nursery):
+    eng = await start(nursery)
+    p = prompt(10)
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=p, max_tokens=7)))
+    ref = eng.runner.reference(p, 7)
+    assert r.tokens == ref and r.text == FakeDetokenizer().text(ref)
+    f = r.final
+    assert (f.finish_reason, f.prompt_tokens, f.completion_tokens, f.cached_tokens) == \
+        ("length", 10, 7, 0)
+    assert f.queue_s >= 0 and f.ttft_s >= f.queue_s and f.e2e_s >= f.ttft_s
+    assert eng.stats().kv_pages_in_use == 0
+
+
+async def test_concurrent_requests_sharing_a_system_prompt(nursery):
+    runner = FakeRunner(limits=LIMITS, num_pages=1024)
+    eng = await start(nursery, runner, max_running=8)
+    system = prompt(120)
+    reqs = [GenerateRequest(prompt_ids=system + [i, i + 1], max_tokens=6) for i in range(32)]
+    handles = [eng.submit(r) for r in reqs]
+    results = [None] * len(reqs)
+
+    async def one(i):
+        results[i] = await collect(handles[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(len(reqs)):
+            n.start_soon(one, i)
+    for req, r in zip(reqs, results):
+        assert r.tokens == runner.reference(req.prompt_ids, 6)  # as if alone
+    cached = sorted(r.final.cached_tokens / r.final.prompt_tokens for r in results)
+    assert cached[0] == 0 and cached[1] >= 0.9  # everyone after the first hits
+
+
+async def test_idle_engine_sleeps_instead_of_spinning(nursery):
+    eng = await start(nursery)
+    with trio.fail_after(5):  # never returns if the loop busy-waits
+        await trio.testing.wait_all_tasks_blocked()
+    steps = eng.stats().steps
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=[1, 2], max_tokens=2)))
+    assert r.final.finish_reason == "length" and eng.stats().steps > steps
+
+
+async def test_joins_within_one_iteration_and_leaves_in_its_last(nursery):
+    eng = await start(nursery)
+    long = eng.submit(GenerateRequest(prompt_ids=prompt(5), max_tokens=60))
+    seen = 0
+    async for ev in long.events:
+        seen += len(ev.token_ids)
+        if seen >= 5:
+            break
+    in_step, n0 = eng._in_step, len(eng.step_records)
+    short = eng.submit(GenerateRequest(prompt_ids=prompt(5, 3), max_tokens=3))
+    sid = eng.seq_id_of(short.request_id)
+    r = await collect(short)
+    assert r.final.finish_reason == "length"
+    # Its pages are back by the time it is told it finished: only `long` holds pages.
+    check_pages(eng)
+    assert list(eng.scheduler.running) == [eng.seq_id_of(long.request_id)]
+    recs = list(eng.step_records)
+    first = next(rec.index for rec in recs if any(s == sid for s, _ in rec.prefilled))
+    assert first <= n0 + in_step, "did not join the running batch at the next iteration"
+    # it decoded alongside `long` (continuous batching), then left
+    steps_with = [rec for rec in recs if sid in rec.decoded]
+    assert len(steps_with) == 2 and all(len(rec.decoded) == 2 for rec in steps_with)
+    eng.abort(long.request_id)
+
+
+async def test_preempted_client_sees_every_token_once_in_order(nursery):
+    runner = FakeRunner(limits=LIMITS, num_pages=25)  # 24 pages of 4: too few for all
+    eng = await start(nursery, runner, kv_reserve_pages=1)
+    reqs = [GenerateRequest(prompt_ids=prompt(6, i), max_tokens=34, priority=i % 2)
+            for i in range(4)]
+    handles = [eng.submit(r) for r in reqs]
+    results = [None] * 4
+
+    async def one(i):
+        results[i] = await collect(handles[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(one, i)
+    assert eng.stats().preemptions > 0
+    for req, r in zip(reqs, results):
+        ref = runner.reference(req.prompt_ids, 34)
+        assert r.tokens == ref
+        assert r.text == FakeDetokenizer().text(ref)
+        assert r.final.completion_tokens == 34
+    assert eng.stats().kv_pages_in_use == 0
+
+
+async def test_abort_during_a_step_frees_pages_before_the_next_one(nursery):
+    runner = FakeRunner(limits=LIMITS)
+    entered, release = threading.Event(), threading.Event()
+    gate = {"on": False}
+
+    def hook(plan):
+        if gate["on"]:
+            gate["on"] = False
+            entered.set()
+            release.wait(5)
+
+    runner.on_step = hook
+    eng = await start(nursery, runner)
+    a = eng.submit(GenerateRequest(prompt_ids=prompt(9), max_tokens=500))
+    b = eng.submit(GenerateRequest(prompt_ids=prompt(9, 4), max_tokens=500))
+    await a.events.receive()
+    gate["on"] = True
+    await trio.to_thread.run_sync(entered.wait)
+    a_seq = eng.scheduler.running[eng.seq_id_of(a.request_id)]
+    eng.abort(a.request_id)  # a is inside the running step: only marked
+    assert a_seq.kv_pages, "pages freed while the runner may still read them"
+    release.set()
+    r = await collect(a)  # the abort's FinishEvent comes once the step is back
+    assert r.final.finish_reason == "abort"
+    assert a_seq.kv_pages == [] and a_seq.seq_id not in eng.scheduler.running
+    check_pages(eng)
+    eng.abort(b.request_id)
+
+
+async def test_abort_from_a_cancelled_scope_frees_everything(nursery):
+    eng = await start(nursery)
+    got = []
+
+    async def client():
+        h = eng.submit(GenerateRequest(prompt_ids=prompt(20), max_tokens=1000))
+        with trio.CancelScope() as cs:
+            try:
+                async for ev in h.events:
+                    got.append(ev)
+                    if len(got) == 3:
+                        cs.cancel()
+                        await trio.sleep(10)  # raises Cancelled, as a disconnect does
+            finally:
+                eng.abort(h.request_id)  # synchronous: fine in a cancelled scope
+
+    await client()
+    assert len(got) == 3
+    with trio.fail_after(5):  # at most the step in flight finishes first
+        while eng.stats().running:
+            await trio.sleep(0.001)
+    s = eng.stats()
+    assert s.running == 0 and s.waiting == 0 and s.kv_pages_in_use == 0
+    assert s.kv_pages_free + s.kv_pages_cached == s.kv_pages_total
+
+
+async def test_receiver_closed_counts_as_abort(nursery):
+    eng = await start(nursery)
+    h = eng.submit(GenerateRequest(prompt_ids=prompt(8), max_tokens=1000))
+    await h.events.receive()
+    await h.events.aclose()  # the client vanished without calling abort
+    with trio.fail_after(5):
+        while eng.stats().running:
+            await trio.sleep(0.001)
+    assert eng.stats().kv_pages_in_use == 0
+
+
+async def test_abort_of_a_queued_request_is_immediate():
+    eng = Engine(FakeRunner(limits=LIMITS), FakeDetokenizer(), SchedulerConfig())
+    h = eng.submit(GenerateRequest(prompt_ids=prompt(8), max_tokens=4))  # loop not running
+    assert eng.stats().waiting == 1
+    eng.abort(h.request_id)
+    assert eng.stats().waiting == 0
+    assert (await h.events.receive()).finish_reason == "abort"
+    eng.abort(h.request_id)  # twice, or unknown ids: no-op
+    eng.abort("nope")
+
+
+async def test_full_queue_refuses_at_once():
+    eng = Engine(FakeRunner(limits=LIMITS), FakeDetokenizer(),
+                 SchedulerConfig(max_waiting=2, max_waiting_tokens=25))
+    eng.submit(GenerateRequest(prompt_ids=prompt(10), max_tokens=4))
+    with pytest.raises(Overloaded) as e:
+        eng.submit(GenerateRequest(prompt_ids=prompt(20), max_tokens=4))
+    assert e.value.reason == "queue_tokens" and e.value.retry_after_s > 0
+    eng.submit(GenerateRequest(prompt_ids=prompt(10), max_tokens=4))
+    with pytest.raises(Overloaded) as e:
+        eng.submit(GenerateRequest(prompt_ids=prompt(1), max_tokens=4))
+    assert e.value.reason == "queue_full" and e.value.retry_after_s > 0
+    eng.start_draining()
+    with pytest.raises(Overloaded) as e:
+        eng.submit(GenerateRequest(prompt_ids=prompt(1), max_tokens=4))
+    assert e.value.reason == "draining"
+    assert eng.stats().rejections == {"queue_tokens": 1, "queue_full": 1, "draining": 1}
+
+
+async def test_requests_that_can_never_fit_are_refused():
+    runner = FakeRunner(limits=LIMITS, max_context=64, num_pages=9)  # 8 pages of 4
+    eng = Engine(runner, FakeDetokenizer(), SchedulerConfig())
+    with pytest.raises(ValueError, match="context"):
+        eng.submit(GenerateRequest(prompt_ids=prompt(60), max_tokens=5))
+    with pytest.raises(ValueError, match="KV cache"):
+        eng.submit(GenerateRequest(prompt_ids=prompt(30), max_tokens=5))
+    with pytest.raises(ValueError):
+        eng.submit(GenerateRequest(prompt_ids=[], max_tokens=5))
+
+
+async def test_request_past_its_queue_deadline_is_shed(nursery):
+    clock = FakeClock()
+    eng = await start(nursery, max_running=1, clock=clock)
+    busy = eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=900))
+    await busy.events.receive()
+    late = eng.submit(GenerateRequest(prompt_ids=prompt(4, 2), max_tokens=4, deadline_s=5))
+    ok = eng.submit(GenerateRequest(prompt_ids=prompt(4, 3), max_tokens=4, deadline_s=60))
+    clock.advance(10)
+    r = await collect(late)
+    assert isinstance(r.final, ErrorEvent) and r.final.kind == "shed"
+    assert eng.stats().rejections.get("shed") == 1
+    assert eng.stats().waiting == 1  # `ok` still waits
+    eng.abort(busy.request_id)
+    assert (await collect(ok)).final.finish_reason == "length"
+
+
+async def test_stop_strings_across_tokens_eos_and_stop_ids(nursery):
+    runner = FakeRunner(limits=LIMITS, rule=succ_rule(1000), eos=[7])
+    eng = await start(nursery, runner)
+    # tokens 1, 2, 3, ... are "b", "c", "d", ...: "def" spans three tokens
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=[0], max_tokens=20, stop=["def"])))
+    assert r.text == "bc" and r.final.finish_reason == "stop"
+    assert all("d" not in e.text for e in r.events[:-1])
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=[0], max_tokens=20)))
+    assert r.text == "bcdefg" and r.tokens == [1, 2, 3, 4, 5, 6]  # eos 7 not shown
+    assert r.final.finish_reason == "stop" and r.final.completion_tokens == 7
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=[0], max_tokens=9, ignore_eos=True)))
+    assert r.text == "bcdefghij" and r.final.finish_reason == "length"
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=[0], max_tokens=9,
+                                                 stop_token_ids=[3])))
+    assert r.text == "bc" and r.final.finish_reason == "stop"
+    # held back text that never became a stop string is released at the end
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=[0], max_tokens=3, stop=["dx"])))
+    assert r.text == "bcd" and r.final.finish_reason == "length"
+
+
+async def test_slow_client_gets_coalesced_events_and_never_blocks_the_loop(nursery):
+    eng = await start(nursery)
+    slow = eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=100))
+    fast = eng.submit(GenerateRequest(prompt_ids=prompt(4, 9), max_tokens=120))
+    r_fast = await collect(fast)  # finishes although `slow` reads nothing
+    assert r_fast.final.finish_reason == "length"
+    r = await collect(slow)
+    assert r.tokens == eng.runner.reference(prompt(4), 100)
+    assert len(r.events) <= EVENT_BUFFER + 2
+    assert r.final.finish_reason == "length"
+
+
+async def test_failed_step_fails_its_requests_and_the_loop_goes_on(nursery):
+    eng = await start(nursery)
+    a = eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=50))
+    await a.events.receive()
+    eng.runner.fail_next = 1
+    r = await collect(a)
+    assert isinstance(r.final, ErrorEvent) and "injected" in r.final.message
+    assert eng.alive
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=5)))
+    assert r.final.finish_reason == "length"
+    assert eng.stats().kv_pages_in_use == 0
+
+
+async def test_repeated_failures_mark_the_engine_dead():
+    runner = FakeRunner(limits=LIMITS)
+    eng = Engine(runner, FakeDetokenizer(), SchedulerConfig())
+    runner.fail_next = 100
+    handles = [eng.submit(GenerateRequest(prompt_ids=prompt(4, i), max_tokens=5))
+               for i in range(5)]
+    with trio.fail_after(5):
+        await eng.run()  # returns once dead
+    assert not eng.alive and not eng.stats().alive
+    for h in handles:
+        assert isinstance((await collect(h)).final, ErrorEvent)
+    with pytest.raises(EngineDead):
+        eng.submit(GenerateRequest(prompt_ids=[1], max_tokens=1))
+
+
+async def test_logprobs_and_stats(nursery):
+    eng = await start(nursery)
+    p = prompt(12)
+    r = await collect(eng.submit(GenerateRequest(
+        prompt_ids=p, max_tokens=4, sampling=SamplingParams(temperature=0, logprobs=True))))
+    lps = [lp for e in r.events if isinstance(e, TokenEvent) for lp in e.logprobs]
+    assert [lp.token_id for lp in lps] == r.tokens and lps[0].logprob == -1.0
+    r2 = await collect(eng.submit(GenerateRequest(prompt_ids=p + [5], max_tokens=4)))
+    assert r2.final.cached_tokens == 12
+    s = eng.stats()
+    assert s.generation_tokens == 8 and s.steps == len(eng.step_records)
+    assert s.prefix_cache_queries_tokens == 12 + 13 and s.prefix_cache_hits_tokens == 12
+    assert s.prompt_tokens == 12 + 1  # prompt tokens computed: the second one's 12 were hits
+    assert s.real_tokens == sum(rec.real_tokens for rec in eng.step_records)
+    assert s.padded_tokens >= s.real_tokens and s.busy_s >= 0
+    assert s.running == s.waiting == 0 and s.kv_pages_in_use == 0 and s.kv_pages_cached > 0
