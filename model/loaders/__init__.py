@@ -1,0 +1,1 @@
+"""One module per weight format; each returns a `model.weights.LoadedModel`."""

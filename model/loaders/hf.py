@@ -1,0 +1,186 @@
+"""Hugging Face checkpoint directories: config.json + *.safetensors + tokenizer.json.
+
+Covers the Llama family as `transformers` writes it: LlamaForCausalLM (Llama 2/3,
+SmolLM2), MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias). Tensors are read with
+safetensors' numpy API, one at a time and straight into the target dtype (bf16
+checkpoints come back as ml_dtypes.bfloat16, which numpy converts), so peak memory is the
+result plus one tensor. q/k are already in the half-split rope layout here; only the
+(out, in) -> (in, out) transpose is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..progress import progress as _progress
+from ..weights import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
+from ..weights import unflatten
+
+ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight", "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+}  # fmt: skip
+
+
+def hf_name(param: str) -> str:
+    """Our flat parameter name -> the transformers state-dict key."""
+    if param.startswith("layers."):
+        _, n, key = param.split(".", 2)
+        return f"model.layers.{n}.{_LAYER_NAMES[key]}"
+    return {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+            "lm_head": "lm_head.weight"}[param]  # fmt: skip
+
+
+def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ModelLoadError(f"{file}: architecture {arch!r} is not supported (supported: {known})")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):  # fmt: skip
+        if not isinstance(cfg.get(key), int):
+            raise ModelLoadError(f"{file}: {key} is missing or not an integer")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{file}: mlp_bias is not supported")
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    max_position = int(cfg.get("max_position_embeddings", 4096))
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        # Mistral v0.1 attends over a 4096-token window. The engine has no windowed
+        # attention, but below the window both are the same model: cap the context there.
+        max_position = min(max_position, int(window))
+    return ModelConfig(
+        name=cfg.get("_name_or_path") or file.parent.name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=max_position,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        rope_scaling=_rope_scaling(cfg.get("rope_scaling"), file),
+    )
+
+
+def _rope_scaling(rs: dict | None, file: Path) -> dict | None:
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ModelLoadError(f"{file}: rope_scaling type {kind!r} is not supported (llama3 is)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rs]
+    if missing:
+        raise ModelLoadError(f"{file}: rope_scaling lacks {', '.join(missing)}")
+    return {k: rs[k] for k in keys}
+
+
+def _index_tensors(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (sharded or not)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index says which shard holds each tensor
+        try:
+            return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    where: dict[str, Path] = {}
+    for f in files:
+        with _open(f) as st:
+            where.update((k, f) for k in st.keys())
+    return where
+
+
+def _open(f: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(f, framework="np")
+    except Exception as e:  # noqa: BLE001 -- SafetensorError / OSError
+        cut = _cut_off_tensor(f)
+        if cut:
+            raise ModelLoadError(f"{f}: file is truncated: {cut}") from None
+        raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
+
+
+def _cut_off_tensor(f: Path) -> str | None:
+    """Name the first tensor whose bytes lie past the end of a truncated file."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError):
+        return None
+    for name, info in header.items():
+        end = 8 + n + info["data_offsets"][1] if name != "__metadata__" else 0
+        if end > size:
+            return f"tensor {name} needs bytes up to {end:,}, file has {size:,}"
+    return None
+
+
+def load_hf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedModel:
+    from ..tokenizer import Tokenizer
+
+    path = Path(path)
+    dt = resolve_dtype(dtype)
+    cfg_file = path / "config.json"
+    try:
+        config = config_from_hf(json.loads(cfg_file.read_text()), cfg_file)
+    except (OSError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{cfg_file}: {e}") from None
+    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    if tokenizer is not None:
+        eos = set(config.eos_token_ids) | tokenizer.eos_token_ids
+        bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
+        config = replace(config, bos_token_id=bos, eos_token_ids=tuple(sorted(eos)))
+    where = _index_tensors(path)
+    shapes = param_shapes(config)
+    flat = {}
+    handles = {}
+    with _progress(progress) as p:
+        task = p.add_task(f"read {path.name}", total=len(shapes))
+        for name, shape in shapes.items():
+            tname = hf_name(name)
+            f = where.get(tname)
+            if f is None:
+                raise ModelLoadError(f"{path}: tensor {tname} is missing (needed for {name})")
+            if f not in handles:
+                if not f.is_file():
+                    raise ModelLoadError(f"{f}: shard is missing (it should hold tensor {tname})")
+                handles[f] = _open(f)
+            try:
+                w = handles[f].get_tensor(tname)
+            except Exception as e:  # noqa: BLE001
+                raise ModelLoadError(f"{f}: tensor {tname} cannot be read ({e})") from None
+            transpose = len(shape) == 2 and name != "embed"  # file (out, in) -> ours (in, out)
+            check_shape(w, shape[::-1] if transpose else shape, f, tname)
+            if transpose:
+                w = w.T
+            flat[name] = np.ascontiguousarray(w, dtype=dt)
+            p.advance(task)
+    return LoadedModel(config, unflatten(flat, config), tokenizer, str(path))

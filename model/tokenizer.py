@@ -1,0 +1,486 @@
+"""Tokenizer, chat template and streaming detokenizer.
+
+Encoding is delegated to Hugging Face `tokenizers` (a Rust BPE that is both correct and
+fast); we only assemble it from whatever the checkpoint ships: GGUF metadata
+(`tokenizer.ggml.*`) or a `tokenizer.json`.
+
+Decoding does *not* go through `tokenizers`: we keep one table of raw bytes per token id.
+Streaming then costs a list lookup and a C-level incremental UTF-8 decode per token, and
+the incremental decoder holds back a character whose bytes are split over several
+byte-level tokens (an emoji is often 2-4 tokens), so no stream ever shows U+FFFD for
+text the model wrote correctly. `decode()` uses the same table so that the stream and
+the full decode always agree.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from .weights import ModelLoadError
+
+# End-of-turn / end-of-text markers of the Llama family; any the vocabulary declares as a
+# special token stops generation, alongside the declared eos.
+END_TOKENS = frozenset(
+    ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>",
+     "<end_of_turn>", "<|end|>")
+)  # fmt: skip
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Pre-tokenizer regexes as llama.cpp names them in `tokenizer.ggml.pre`.
+_LLAMA3_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+_DIGITS_FIRST = {"smollm", "starcoder", "refact"}
+_LLAMA3_LIKE = {"llama-bpe", "llama3", "dbrx", "smaug-bpe", "falcon3"}
+_QWEN2_LIKE = {"qwen2", "deepseek-r1-qwen"}
+
+# GGUF token types (llama.cpp's llama_token_type).
+_UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages (raise_exception) or failed to render."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte <-> printable-character map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_CHARS = _bytes_to_unicode()
+# str.translate table: byte-level character -> the latin-1 character of its byte value.
+_UNBYTE = str.maketrans({c: chr(b) for b, c in _BYTE_CHARS.items()})
+_HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class IncrementalDecoder:
+    """Streams text for one sequence: `push` returns only complete characters."""
+
+    __slots__ = ("_table", "_utf8", "_strip")
+
+    def __init__(self, table: list[bytes], strip_leading_space: bool) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._strip = strip_leading_space
+
+    def push(self, token_id: int) -> str:
+        try:
+            text = self._utf8.decode(self._table[token_id])
+        except IndexError:  # ids past the tokenizer's vocab (padded embedding rows)
+            return ""
+        if self._strip and text:
+            self._strip = False
+            return text[1:] if text[0] == " " else text
+        return text
+
+    def flush(self) -> str:
+        text = self._utf8.decode(b"", final=True)
+        if self._strip and text:
+            self._strip = False
+            return text[1:] if text[0] == " " else text
+        return text
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus chat template, special ids and a bytes table."""
+
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_eos_ids: Iterable[int] = (),
+    ) -> None:
+        self._tok = tok
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._extra_eos = frozenset(extra_eos_ids)
+        self._build_tables()
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader_or_path) -> "Tokenizer":
+        """Assemble the tokenizer from a GGUF's `tokenizer.ggml.*` metadata."""
+        from gguf import GGUFReader
+
+        from .loaders.gguf import open_reader
+
+        reader = reader_or_path
+        if not isinstance(reader, GGUFReader):
+            reader = open_reader(Path(reader_or_path))
+        try:
+            return cls._from_gguf_reader(reader)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the Rust side raises bare Exceptions
+            raise ModelLoadError(f"{reader.data.filename}: bad tokenizer metadata ({e})") from None
+
+    @classmethod
+    def _from_gguf_reader(cls, reader) -> "Tokenizer":
+        def field(name, default=None):
+            f = reader.fields.get(name)
+            return default if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        tokens = field("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelLoadError(f"{reader.data.filename}: no tokenizer.ggml.tokens")
+        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "gpt2":
+            tok = _byte_level_bpe(
+                tokens, field("tokenizer.ggml.merges") or [], field("tokenizer.ggml.pre", "default")
+            )
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(
+                tokens, field("tokenizer.ggml.scores"), types,
+                field("tokenizer.ggml.add_space_prefix", True),
+            )  # fmt: skip
+        else:
+            raise ModelLoadError(
+                f"{reader.data.filename}: tokenizer.ggml.model={kind!r} is not supported "
+                "(byte-level 'gpt2' and sentencepiece 'llama' are)"
+            )
+        specials = [t for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+        def name(i):
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+        bos_id = field("tokenizer.ggml.bos_token_id")
+        bos = name(bos_id)
+        if bos is not None and field("tokenizer.ggml.add_bos_token", kind == "llama"):
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+            )
+        extra = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        return cls(
+            tok,
+            chat_template=field("tokenizer.chat_template"),
+            bos_token=bos,
+            eos_token=name(field("tokenizer.ggml.eos_token_id")),
+            extra_eos_ids=[i for i in extra if isinstance(i, int)],
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config)."""
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelLoadError(f"{tj}: cannot read tokenizer: {e}") from None
+        cfg = _read_json(path / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        gen_eos = _read_json(path / "generation_config.json").get("eos_token_id", [])
+        return cls(
+            tok,
+            chat_template=template,
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_token=_token_content(cfg.get("eos_token")),
+            extra_eos_ids=[i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+                           if isinstance(i, int)],  # fmt: skip
+        )
+
+    @classmethod
+    def byte_level(cls, vocab_size: int = 259) -> "Tokenizer":
+        """A merge-free byte tokenizer with ChatML specials, for random-weight models.
+
+        Ids 0-2 are <|endoftext|>, <|im_start|>, <|im_end|>; 3-258 the 256 bytes; any
+        further ids up to `vocab_size` are reserved special tokens. Every text round-trips.
+        """
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        specials += [f"<|reserved_{i}|>" for i in range(max(0, vocab_size - 259))]
+        vocab = {c: 3 + b for b, c in _BYTE_CHARS.items()}
+        vocab |= {t: i if i < 3 else 256 + i for i, t in enumerate(specials)}
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        return cls(tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
+
+    def to_json(self) -> dict:
+        """Everything needed to rebuild this tokenizer (orbax checkpoints store it)."""
+        return {
+            "tokenizer": json.loads(self._tok.to_str()),
+            "chat_template": self.chat_template,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "extra_eos_ids": sorted(self._extra_eos),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Tokenizer":
+        tok = tokenizers.Tokenizer.from_str(json.dumps(d["tokenizer"]))
+        return cls(
+            tok,
+            chat_template=d.get("chat_template"),
+            bos_token=d.get("bos_token"),
+            eos_token=d.get("eos_token"),
+            extra_eos_ids=d.get("extra_eos_ids", ()),
+        )
+
+    # ---- the bytes table -----------------------------------------------------------------
+
+    def _build_tables(self) -> None:
+        tok = self._tok
+        spec = json.loads(tok.to_str())
+        dec_types = _decoder_types(spec.get("decoder"))
+        added = {a["id"]: a for a in spec.get("added_tokens", [])}
+        vocab = tok.get_vocab(with_added_tokens=True)
+        n = max(vocab.values(), default=-1) + 1
+        names: list[str | None] = [None] * n
+        for t, i in vocab.items():
+            names[i] = t
+        byte_level = "ByteLevel" in dec_types
+        fallback = "ByteFallback" in dec_types
+        metaspace = "Metaspace" in dec_types or "Replace" in dec_types
+        table: list[bytes] = []
+        for i, t in enumerate(names):
+            if t is None:
+                b = b""
+            elif i in added:
+                b = added[i]["content"].encode()
+            elif byte_level:
+                u = t.translate(_UNBYTE)
+                b = u.encode("latin-1") if u.isascii() or max(u) <= "\xff" else t.encode()
+            elif fallback and (m := _HEX_BYTE.fullmatch(t)):
+                b = bytes([int(m.group(1), 16)])
+            elif metaspace:
+                b = t.replace("\u2581", " ").encode()
+            else:
+                b = tok.decode([i], skip_special_tokens=False).encode()
+            table.append(b)
+        self._special_ids = frozenset(i for i, a in added.items() if a.get("special"))
+        self._names = names
+        self._table = table
+        self._table_skip = [b"" if i in self._special_ids else b for i, b in enumerate(table)]
+        # Sentencepiece decoders drop the space the normalizer put before the first word.
+        self._strip_first = "Strip" in dec_types or (
+            "Metaspace" in dec_types and _metaspace_prepends(spec.get("decoder"))
+        )
+
+    # ---- public API ----------------------------------------------------------------------
+
+    @property
+    def hf(self) -> tokenizers.Tokenizer:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._table)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids = set(self._extra_eos)
+        if self.eos_token is not None and (i := self._tok.token_to_id(self.eos_token)) is not None:
+            ids.add(i)
+        ids.update(i for i in self._special_ids if self._names[i] in END_TOKENS)
+        return frozenset(ids)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._names[token_id] if 0 <= token_id < len(self._names) else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (special tokens: their text)."""
+        return self._table[token_id] if 0 <= token_id < len(self._table) else b""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # lone surrogates (JSON "\ud800") are not valid UTF-8 text
+            text = _SURROGATE.sub("\ufffd", text)
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        table = self._table_skip if skip_special_tokens else self._table
+        n = len(table)
+        text = b"".join([table[i] for i in ids if 0 <= i < n]).decode("utf-8", "replace")
+        return text[1:] if self._strip_first and text.startswith(" ") else text
+
+    def incremental(self, prompt_ids: Sequence[int] = ()) -> IncrementalDecoder:
+        """A streaming decoder for the tokens generated after `prompt_ids`.
+
+        Bytes of a character the prompt left incomplete are fed in first, so a completion
+        that finishes the character emits it whole instead of a U+FFFD.
+        """
+        dec = IncrementalDecoder(self._table_skip, self._strip_first and not prompt_ids)
+        for i in prompt_ids[-3:]:  # a UTF-8 character spans at most 4 bytes
+            dec.push(i)
+        return dec
+
+    # ---- chat ----------------------------------------------------------------------------
+
+    @cached_property
+    def _template(self):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ChatTemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)  # fmt: skip
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
+        try:
+            return env.from_string(self.chat_template or CHATML_TEMPLATE)
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from None
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra
+    ) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except TemplateError as e:  # includes sandbox SecurityError
+            raise ChatTemplateError(f"chat template failed: {e}") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered template already carries bos where the model wants it.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+
+# ---- builders ------------------------------------------------------------------------------
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_LIKE)
+    )
+    if pre in _DIGITS_FIRST:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )  # fmt: skip
+    elif pre in _LLAMA3_LIKE or pre in _QWEN2_LIKE:
+        regex = _LLAMA3_RE if pre in _LLAMA3_LIKE else _QWEN2_RE
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )  # fmt: skip
+    else:  # "default", "gpt-2" and unknown names: GPT-2's own split
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens, scores, types, add_space_prefix: bool) -> tokenizers.Tokenizer:
+    """Llama 2 / Mistral vocabularies: rebuild BPE merges from the piece scores.
+
+    A piece that splits into two known pieces is a merge; higher-scored pieces merge
+    first. This is how `transformers` converts sentencepiece models too.
+    """
+    scores = scores if scores is not None else [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                merges.append((-score, vocab[left], vocab[right], left, right))
+    merges.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == _UNKNOWN), None)
+    tok = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk,
+                   fuse_unk=True, byte_fallback=True)
+    )  # fmt: skip
+    norm = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        norm.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(norm)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _decoder_types(spec: dict | None) -> set[str]:
+    if not spec:
+        return set()
+    found = {spec.get("type", "")}
+    for sub in spec.get("decoders", []) or []:
+        found |= _decoder_types(sub)
+    return found
+
+
+def _metaspace_prepends(spec: dict | None) -> bool:
+    if not spec:
+        return False
+    if spec.get("type") == "Metaspace":
+        scheme = spec.get("prepend_scheme", "always")
+        return scheme != "never" and spec.get("add_prefix_space", True)
+    return any(_metaspace_prepends(s) for s in spec.get("decoders", []) or [])
+
+
+def _token_content(t) -> str | None:
+    return t.get("content") if isinstance(t, dict) else t
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
