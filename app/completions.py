@@ -1,0 +1,227 @@
+"""Admission: from an HTTP body to a `Flight` in an engine, or a clear refusal.
+
+The order is cheapest refusal first, and nothing that waits comes before a bound:
+phase (503) -> API key (401) -> body (400) -> model (404) -> tokenize -> context (400) ->
+stream bound and tenant quota (429) -> input guardrail (bounded by its budget) ->
+`pool.submit` (429 at once when the engine's queue is full).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+import trio
+
+from scheduler.api import EngineDead, GenerateRequest, Overloaded
+from scheduler.protocol import SamplingParams
+
+from .errors import APIError, bad_request, rate_limited, unavailable
+from .pools import Pool
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, decode_body
+from .state import Flight, Phase, ServerState
+from .tenants import Tenant
+
+# Prompts longer than this many characters are tokenized in a worker thread, so a 4 MiB
+# body does not stall every other stream on the event loop.
+THREAD_TOKENIZE_CHARS = 20_000
+
+
+@dataclass
+class Admitted:
+    """An admitted request and what the response needs to describe it."""
+
+    flight: Flight
+    kind: str  # "chat" | "completion"
+    id: str
+    created: int
+    model: str
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: off; else how many alternatives per token
+    tenant: Tenant
+    arrival: float  # trio.current_time() when the body arrived
+
+
+def check_phase(state: ServerState) -> None:
+    if state.phase is Phase.LOADING:
+        raise unavailable("The model is still loading; retry shortly.", "model_loading")
+    if state.phase is Phase.DRAINING:
+        raise unavailable("The server is shutting down.", "draining")
+    assert state.router is not None
+    if not state.router.alive:
+        raise unavailable("An engine has stopped; this server needs a restart.", "engine_dead")
+
+
+async def admit(state: ServerState, kind: str, body: bytes, authorization: str | None) -> Admitted:
+    arrival = trio.current_time()
+    check_phase(state)
+    tenant = state.tenants.authenticate(authorization)
+    if kind == "chat":
+        req = decode_body(body, ChatCompletionRequest)
+        max_tokens = _chat_checks(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        req = decode_body(body, CompletionRequest)
+        max_tokens = _completion_checks(req)
+        logprobs = req.logprobs
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("`stream_options` is only allowed when `stream` is true.",
+                          param="stream_options")
+
+    router = state.router
+    assert router is not None
+    candidates = router.candidates(req.model)
+    prompt_ids, text = await _tokenize(candidates[0], req)
+    pool = router.choose(candidates, len(prompt_ids), max_tokens)
+    if max_tokens is None:
+        max_tokens = pool.max_context - len(prompt_ids)
+        if pool.config.default_max_tokens is not None:
+            max_tokens = min(max_tokens, pool.config.default_max_tokens)
+
+    if len(state.flights) >= state.settings.server.max_streams:
+        state.metrics.reject(pool.model_name, pool.name, "max_streams")
+        raise rate_limited(
+            f"The server is at its limit of {state.settings.server.max_streams} requests "
+            "in flight.", 1.0, code="server_busy")
+    try:
+        lease = state.tenants.admit(tenant, len(prompt_ids) + max_tokens)
+    except APIError as e:
+        state.metrics.reject(pool.model_name, pool.name, e.detail.code or "tenant")
+        raise
+    flight = Flight(state, pool, lease, len(prompt_ids))
+    state.add_flight(flight)
+    try:
+        await state.guard.check_input(text=text, tenant=tenant.name, model=pool.model_name)
+        request_id = uuid.uuid4().hex
+        greq = GenerateRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=_sampling(req, pool, logprobs),
+            stop=_stops(req.stop),
+            ignore_eos=req.ignore_eos,
+            tenant=tenant.name,
+            priority=tenant.priority_for(req.priority),
+            weight=tenant.config.weight,
+            cache_salt=tenant.cache_salt,
+            request_id=request_id,
+        )
+        flight.submitted(*_submit(pool, greq))
+        if flight.closed:
+            raise unavailable("The server is shutting down.", "draining")
+    except BaseException:
+        flight.close()
+        raise
+    return Admitted(
+        flight=flight,
+        kind=kind,
+        id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
+        created=int(time.time()),
+        model=pool.model_name,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=logprobs,
+        tenant=tenant,
+        arrival=arrival,
+    )
+
+
+def _submit(pool: Pool, greq: GenerateRequest) -> tuple[int, object]:
+    try:
+        return pool.submit(greq)
+    except Overloaded as e:
+        if e.reason == "draining":
+            raise unavailable("The server is shutting down.", "draining") from None
+        raise rate_limited(f"The server is overloaded ({e.reason}); retry later.",
+                           e.retry_after_s, code=e.reason) from None
+    except EngineDead as e:
+        raise unavailable(f"The engine has stopped: {e}", "engine_dead") from None
+    except ValueError as e:  # the engine can never serve it (e.g. bigger than its KV cache)
+        raise bad_request(f"{e}.", param="max_tokens", code="context_length_exceeded") from None
+
+
+def _chat_checks(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
+    if (req.max_tokens is not None and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens):
+        raise bad_request("`max_tokens` and `max_completion_tokens` disagree; send one.",
+                          param="max_completion_tokens")
+    return req.max_completion_tokens or req.max_tokens
+
+
+def _completion_checks(req: CompletionRequest) -> int | None:
+    if req.echo:
+        raise bad_request("Unsupported parameter: `echo` (the prompt is not returned).",
+                          param="echo", code="unsupported_parameter")
+    if isinstance(req.prompt, list):
+        ints = all(isinstance(t, int) for t in req.prompt)
+        one_str = len(req.prompt) == 1 and isinstance(req.prompt[0], str)
+        if not (ints or one_str):
+            raise bad_request("`prompt` must be one string or one list of token ids "
+                              "(one prompt per request).", param="prompt")
+    return req.max_tokens
+
+
+async def _tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
+                    ) -> tuple[list[int], str]:
+    """Prompt token ids, and the prompt's text for the input guardrail."""
+    tok = pool.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        text = "\n".join(m.text() for m in req.messages)
+        ids = await _maybe_thread(len(text), encode_messages, pool, req.messages)
+    elif isinstance(req.prompt, list) and all(isinstance(t, int) for t in req.prompt):
+        ids = list(req.prompt)
+        bad = [t for t in ids if not 0 <= t < pool.vocab_size]  # type: ignore[operator]
+        if bad:
+            raise bad_request(f"Token ids must be in [0, {pool.vocab_size}); got {bad[:5]}.",
+                              param="prompt", code="invalid_token_id")
+        text = tok.decode(ids)
+    else:
+        text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
+        ids = await _maybe_thread(len(text), tok.encode, text)
+    if not ids:
+        raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
+    return list(ids), text
+
+
+def encode_messages(pool: Pool, messages: Sequence[ChatMessage]) -> list[int]:
+    """Render the chat template and tokenize ("developer" is the template's "system")."""
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+             for m in messages]
+    try:
+        return pool.tokenizer.encode_chat(plain)
+    except ValueError as e:  # the template refused (e.g. roles out of the order it wants)
+        raise bad_request(f"The chat template cannot render these messages: {e}",
+                          param="messages", code="invalid_messages") from None
+
+
+async def _maybe_thread(size: int, fn, *args):
+    if size < THREAD_TOKENIZE_CHARS:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, pool: Pool,
+              logprobs: int | None) -> SamplingParams:
+    top_k = req.top_k or 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if top_k < 0 or top_k >= pool.vocab_size else top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+    )
+
+
+def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)

@@ -1,0 +1,121 @@
+"""Prometheus metrics, named as vLLM names them with a `sluice:` prefix.
+
+Existing vLLM dashboards map over by swapping the prefix (vLLM's label is `model_name`;
+ours is `model`, plus `pool` so two pools serving one model stay apart). A private
+CollectorRegistry keeps tests and several servers in one process from colliding.
+
+Two sources:
+- Histograms (TTFT, inter-token latency, end-to-end, queue time) are observed by the
+  stream handler, so they measure what the client saw, tokenization and guardrails
+  included. Inter-token latency is the gap between token deliveries as the handler read
+  them; tokens that arrived together (coalesced) count one gap.
+- Gauges and counters are read from `engine.stats()` at scrape time by a custom
+  collector: nothing polls the engines in the background, and a scrape always sees the
+  engine's current state (e.g. `kv_pages_in_use` is 0 once every request is gone).
+  Requests refused in app/ (tenant quota, stream bound, draining) are counted here and
+  added to the engines' own refusals under `requests_rejected_total{reason}`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from .pools import Router
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("model", "pool")
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.router: Router | None = None  # set once the pools are loaded
+        self.app_rejections: Counter[tuple[str, str, str]] = Counter()  # (model, pool, reason)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+
+        self.ttft = hist("sluice:time_to_first_token_seconds",
+                         "Request arrival to first token written, seconds.", _TTFT_BUCKETS)
+        self.itl = hist("sluice:inter_token_latency_seconds",
+                        "Gap between token deliveries of one stream, seconds.", _ITL_BUCKETS)
+        self.e2e = hist("sluice:e2e_request_latency_seconds",
+                        "Request arrival to its last byte, seconds.", _REQUEST_BUCKETS)
+        self.queue = hist("sluice:request_queue_time_seconds",
+                          "Time a request waited in the engine's queue, seconds.",
+                          _REQUEST_BUCKETS)
+        self.registry.register(_EngineCollector(self))
+
+    def reject(self, model: str, pool: str, reason: str) -> None:
+        self.app_rejections[(model, pool, reason)] += 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads every engine's stats when Prometheus scrapes."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"sluice:{name}", doc, labels=LABELS)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(f"sluice:{name}", doc, labels=LABELS + extra)
+
+        running = gauge("num_requests_running", "Sequences decoding or prefilling.")
+        waiting = gauge("num_requests_waiting", "Requests queued for admission.")
+        oldest = gauge("oldest_waiting_age_seconds", "Age of the oldest queued request.")
+        usage = gauge("kv_cache_usage_perc", "Fraction of KV pages held by live sequences (0-1).")
+        in_use = gauge("kv_pages_in_use", "KV pages held by live sequences (0 when idle).")
+        total = gauge("kv_pages_total", "Usable KV pages (the null page excluded).")
+        busy = gauge("engine_busy_fraction", "Share of uptime spent in runner steps.")
+        busy_s = counter("engine_busy_seconds", "Seconds spent in runner steps (rate() = busy).")
+        queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        preempt = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        prompt = counter("prompt_tokens", "Prompt tokens processed.")
+        gen = counter("generation_tokens", "Tokens generated.")
+        rejected = counter("requests_rejected", "Requests refused, by reason.", ("reason",))
+
+        router = self.metrics.router
+        reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
+        for pool in router.pools if router else []:
+            stats = pool.stats()
+            lv = [pool.model_name, pool.name]
+            s_in_use = sum(s.kv_pages_in_use for s in stats)
+            s_total = sum(s.kv_pages_total for s in stats)
+            running.add_metric(lv, sum(s.running for s in stats))
+            waiting.add_metric(lv, sum(s.waiting for s in stats))
+            oldest.add_metric(lv, max((s.oldest_waiting_age_s for s in stats), default=0.0))
+            usage.add_metric(lv, s_in_use / s_total if s_total else 0.0)
+            in_use.add_metric(lv, s_in_use)
+            total.add_metric(lv, s_total)
+            busy.add_metric(lv, sum(s.busy_fraction for s in stats) / max(1, len(stats)))
+            busy_s.add_metric(lv, sum(s.busy_s for s in stats))
+            queries.add_metric(lv, sum(s.prefix_cache_queries_tokens for s in stats))
+            hits.add_metric(lv, sum(s.prefix_cache_hits_tokens for s in stats))
+            preempt.add_metric(lv, sum(s.preemptions for s in stats))
+            prompt.add_metric(lv, sum(s.prompt_tokens for s in stats))
+            gen.add_metric(lv, sum(s.generation_tokens for s in stats))
+            for s in stats:
+                for reason, n in s.rejections.items():
+                    reasons[(pool.model_name, pool.name, reason)] += n
+        for (model, pool_name, reason), n in sorted(reasons.items()):
+            rejected.add_metric([model, pool_name, reason], n)
+        yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
+                    hits, preempt, prompt, gen, rejected)

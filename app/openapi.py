@@ -1,0 +1,111 @@
+"""GET /openapi.json: the API described from the same msgspec Structs that decode it.
+
+Generating the schemas from the types keeps the description and the validation from
+drifting apart, and lets a fuzzer (schemathesis) aim at exactly what the server claims
+to accept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+from .errors import ErrorBody
+from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
+                      CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health,
+                      ModelList, TokenizeRequest, TokenizeResponse)
+
+_TYPES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
+          ChatCompletion, ChatCompletionChunk, Completion, ModelList, TokenizeResponse,
+          DetokenizeResponse, Health, ErrorBody)
+_REF = "#/components/schemas/{name}"
+
+
+def _ref(t: type) -> dict:
+    return {"$ref": _REF.format(name=t.__name__)}
+
+
+def _json(t: type) -> dict:
+    return {"application/json": {"schema": _ref(t)}}
+
+
+def _errors(*codes: int) -> dict:
+    return {str(c): {"description": "OpenAI-shaped error", "content": _json(ErrorBody)}
+            for c in codes}
+
+
+def _sse(chunk: type) -> dict:
+    """One server-sent event: `data` is a JSON chunk, an error object, or "[DONE]"."""
+    return {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string",
+                                "description": f"JSON {chunk.__name__}, an error, or [DONE]"},
+                       "event": {"type": "string"}}}}
+
+
+def _generate(summary: str, req: type, resp: type, chunk: type) -> dict:
+    return {"post": {
+        "summary": summary,
+        "security": [{"bearer": []}, {}],
+        "requestBody": {"required": True, "content": _json(req)},
+        "responses": {
+            "200": {"description": "A completion, or with `stream` an SSE stream of chunks "
+                                   "ending with `data: [DONE]`",
+                    "content": {**_json(resp), "text/event-stream": _sse(chunk)}},
+            **_errors(400, 401, 404, 413, 429, 503),
+        },
+    }}
+
+
+@functools.cache
+def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
+    """The spec; `model_names` (the served names) narrow every `model` field to them."""
+    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    if model_names:
+        names = {"type": "string", "enum": list(model_names)}
+        for req in ("ChatCompletionRequest", "CompletionRequest"):
+            components[req]["properties"]["model"] = names
+        for req in ("TokenizeRequest", "DetokenizeRequest"):
+            components[req]["properties"]["model"] = {"anyOf": [names, {"type": "null"}],
+                                                      "default": None}
+    paths = {
+        "/v1/chat/completions": _generate("Chat completion", ChatCompletionRequest,
+                                          ChatCompletion, ChatCompletionChunk),
+        "/v1/completions": _generate("Text completion", CompletionRequest, Completion,
+                                     Completion),
+        "/v1/models": {"get": {"summary": "Served models", "responses": {
+            "200": {"description": "Models", "content": _json(ModelList)},
+            **_errors(401, 503)}}},
+        "/tokenize": {"post": {
+            "summary": "Prompt (or chat messages, templated) to token ids",
+            "requestBody": {"required": True, "content": _json(TokenizeRequest)},
+            "responses": {"200": {"description": "Token ids", "content": _json(TokenizeResponse)},
+                          **_errors(400, 401, 404, 413, 503)}}},
+        "/detokenize": {"post": {
+            "summary": "Token ids to text",
+            "requestBody": {"required": True, "content": _json(DetokenizeRequest)},
+            "responses": {"200": {"description": "Text", "content": _json(DetokenizeResponse)},
+                          **_errors(400, 401, 404, 413, 503)}}},
+        "/health": {"get": {"summary": "200 when serving; 503 loading, draining or dead",
+                            "responses": {"200": {"description": "Serving",
+                                                  "content": _json(Health)},
+                                          "503": {"description": "Not serving",
+                                                  "content": _json(Health)}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "Prometheus text format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}}}},
+    }
+    spec = {
+        "openapi": "3.1.0",
+        "info": {"title": "Sluice", "version": "0.1.0",
+                 "description": "OpenAI-compatible streaming LLM inference server."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+    return msgspec.json.encode(spec)

@@ -1,0 +1,166 @@
+"""Pools (one model, its tokenizer, its engine replicas) and the Router that picks one.
+
+A pool is the unit clients address by model name. Several pools may serve one name with
+different prompt-length ranges (a long-context pool with its own, larger KV budget next to
+a short-context pool with more decode slots); the Router picks by name, then by where the
+prompt's length falls and whether prompt + max_tokens fits the pool's context.
+
+Replica choice is least-in-flight among live engines: the pool counts what it handed to
+each engine and has not seen finish, which is cheaper than asking every engine for stats
+on every request and good enough, since all replicas of a pool are alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import trio
+
+from config.settings import PoolConfig
+from scheduler.api import EngineDead, EngineStats, GenerateRequest, Overloaded
+
+from .errors import bad_request, not_found
+
+
+class TokenizerLike(Protocol):
+    """What app/ needs from `model.tokenizer.Tokenizer` (the engine also calls `incremental`)."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def incremental(self, prompt_ids: Sequence[int]) -> Any: ...
+
+
+class Pool:
+    def __init__(
+        self,
+        config: PoolConfig,
+        tokenizer: TokenizerLike,
+        engines: list[Any],
+        *,
+        max_context: int,
+        vocab_size: int,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engines = engines
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self._in_flight = [0] * len(engines)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def model_name(self) -> str:
+        """What responses and metrics call this pool's model."""
+        return self.config.served_model_names[0]
+
+    @property
+    def alive(self) -> bool:
+        return all(e.alive for e in self.engines)
+
+    def accepts(self, prompt_tokens: int) -> bool:
+        c = self.config
+        return c.min_prompt_tokens <= prompt_tokens and (
+            c.max_prompt_tokens is None or prompt_tokens <= c.max_prompt_tokens
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run every replica's engine loop; started once all of them are."""
+        async with trio.open_nursery() as nursery:
+            for engine in self.engines:
+                await nursery.start(engine.run)
+            task_status.started()
+
+    def submit(self, req: GenerateRequest) -> tuple[int, Any]:
+        """Hand `req` to the least busy live replica; returns (replica index, handle).
+
+        A replica whose queue is full refuses at once; the next one gets a try, and only
+        when all refuse does the caller see `Overloaded` (or `EngineDead` if none is alive).
+        """
+        order = sorted(range(len(self.engines)), key=self._in_flight.__getitem__)
+        refusal: Overloaded | None = None
+        for i in order:
+            engine = self.engines[i]
+            if not engine.alive:
+                continue
+            try:
+                handle = engine.submit(req)
+            except EngineDead:
+                continue
+            except Overloaded as e:
+                if refusal is None or e.retry_after_s < refusal.retry_after_s:
+                    refusal = e
+                continue
+            self._in_flight[i] += 1
+            return i, handle
+        if refusal is not None:
+            raise refusal
+        raise EngineDead(f"every engine of pool {self.name!r} has stopped")
+
+    def finish(self, replica: int, request_id: str) -> None:
+        """The request is over for the client (done, failed or abandoned): sync, idempotent
+        per request in the engine, called exactly once per submit by the stream's cleanup."""
+        self._in_flight[replica] -= 1
+        self.engines[replica].abort(request_id)
+
+    def stats(self) -> list[EngineStats]:
+        return [e.stats() for e in self.engines]
+
+    def start_draining(self) -> None:
+        for e in self.engines:
+            e.start_draining()
+
+
+class Router:
+    def __init__(self, pools: list[Pool]) -> None:
+        self.pools = pools
+        self.by_name: dict[str, list[Pool]] = {}
+        for pool in pools:
+            for name in pool.config.served_model_names:
+                self.by_name.setdefault(name, []).append(pool)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.alive for p in self.pools)
+
+    def candidates(self, model: str | None) -> list[Pool]:
+        """Pools serving `model` (None: the first pool's model), or 404."""
+        if model is None:
+            return self.by_name[self.pools[0].model_name]
+        found = self.by_name.get(model)
+        if not found:
+            raise not_found(
+                f"The model `{model}` does not exist. Available: "
+                + ", ".join(sorted(self.by_name)) + ".",
+                param="model",
+                code="model_not_found",
+            )
+        return found
+
+    def choose(self, pools: list[Pool], prompt_tokens: int, max_tokens: int | None) -> Pool:
+        """The first pool whose prompt range holds the prompt and whose context fits the
+        request; failing that, any pool of the model whose context fits it."""
+        in_range = [p for p in pools if p.accepts(prompt_tokens)]
+        for pool in in_range + [p for p in pools if p not in in_range]:
+            if prompt_tokens + (max_tokens or 1) <= pool.max_context:
+                return pool
+        limit = max(p.max_context for p in pools)
+        if max_tokens is None:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt has {prompt_tokens} tokens, leaving no room for the completion. "
+                "Please shorten the prompt.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+            "of max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )

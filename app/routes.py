@@ -1,0 +1,114 @@
+"""The HTTP endpoints. Each handler is short: admission, streaming and errors live elsewhere.
+
+/v1/* and the tokenizer endpoints authenticate like completions do (with tenants
+configured, a key is needed); /health, /metrics and /openapi.json are open, for load
+balancers and scrapers.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from .completions import admit, check_phase, encode_messages
+from .errors import bad_request, unavailable
+from .guardrails import OutputGate
+from .metrics import CONTENT_TYPE
+from .openapi import openapi_spec
+from .pools import Pool
+from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, ModelCard, ModelList,
+                      TokenizeRequest, TokenizeResponse, decode_body)
+from .state import Phase, ServerState
+from .streaming import collect, sse_body
+
+T = TypeVar("T")
+FLIGHTS_KEY = "sluice.flights"  # the ASGI scope's list of flights to close (server.py)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
+    server = state.settings.server
+
+    async def generate(kind: str) -> Response:
+        body = await request.get_data(cache=False)
+        adm = await admit(state, kind, body, request.headers.get("Authorization"))
+        request.scope.setdefault(FLIGHTS_KEY, []).append(adm.flight)
+        gate = None
+        if state.guard.checks_output:
+            gate = OutputGate(state.guard, tenant=adm.tenant.name, model=adm.model)
+        if not adm.stream:
+            return Response(await collect(adm, gate), content_type="application/json")
+        body_iter = sse_body(adm, gate, server.sse_coalesce, server.sse_flush_interval_s)
+        resp = Response(body_iter, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        resp.timeout = None  # an SSE stream lasts as long as the generation does
+        return resp
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await generate("chat")
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await generate("completion")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        state.tenants.authenticate(request.headers.get("Authorization"))
+        if state.router is None:
+            raise unavailable("The model is still loading; retry shortly.", "model_loading")
+        cards = [ModelCard(name, started, p.max_context, p.config.model)
+                 for p in state.router.pools for name in p.config.served_model_names]
+        return json_response(ModelList(cards))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.phase is Phase.LOADING:
+            return json_response(Health("loading"), 503)
+        if state.phase is Phase.DRAINING:
+            return json_response(Health("draining"), 503)
+        if state.router is None or not state.router.alive:
+            return json_response(Health("engine_dead", "an engine loop has stopped"), 503)
+        return json_response(Health("ok"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), content_type=CONTENT_TYPE)
+
+    async def tokenizer_request(type: type[T]) -> tuple[T, Pool]:
+        state.tenants.authenticate(request.headers.get("Authorization"))
+        check_phase(state)
+        req = decode_body(await request.get_data(cache=False), type)
+        assert state.router is not None
+        return req, state.router.candidates(req.model)[0]  # type: ignore[attr-defined]
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        req, pool = await tokenizer_request(TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("Send exactly one of `prompt` and `messages`.", param="prompt")
+        if req.messages is not None:
+            ids = encode_messages(pool, req.messages)
+        else:
+            ids = pool.tokenizer.encode(req.prompt or "")
+        return json_response(TokenizeResponse(list(ids), len(ids), pool.max_context))
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        req, pool = await tokenizer_request(DetokenizeRequest)
+        bad = [t for t in req.tokens if t >= pool.vocab_size]
+        if bad:
+            raise bad_request(f"Token ids must be in [0, {pool.vocab_size}); got {bad[:5]}.",
+                              param="tokens", code="invalid_token_id")
+        return json_response(DetokenizeResponse(pool.tokenizer.decode(req.tokens)))
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        names = tuple(n for p in state.settings.pools for n in p.served_model_names)
+        return Response(openapi_spec(names), content_type="application/json")

@@ -1,0 +1,288 @@
+"""The OpenAI wire format as msgspec Structs, and `decode_body`, the one way bodies come in.
+
+Requests forbid unknown fields: a parameter this server does not implement (``tools``,
+``logit_bias``, ``n=2`` ...) is refused with a 400 naming it, never silently ignored, since a
+client that asked for JSON mode or a logit bias and got plain text would have no way to
+tell. Limits live in the types (``Meta``), so msgspec reports the exact path of a bad
+value and the handlers only do cross-field checks (context length, prompt shape).
+
+Optional parameters default to None rather than to a value, so that explicit JSON
+``null`` (which some clients send) means "the default", as it does at OpenAI.
+
+This module must stay importable on its own: msgspec resolves the string annotations
+through the module's globals.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from .errors import APIError, bad_request
+
+# ------------------------------------------------------------------------------ requests
+Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Meta(min_length=1, max_length=1024)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=4)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]  # image, audio and file parts are refused: text models only
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    # "developer" is OpenAI's newer name for "system". Tool messages are refused: this
+    # server does not do tool calls, and a conversation that contains them would be
+    # rendered wrongly.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What chat and completions share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off
+    min_p: Prob | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: Stop | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
+    ignore_eos: bool = False  # vLLM's: benchmarks use it to get exactly max_tokens
+    priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None  # smaller: sooner
+    user: Annotated[str, Meta(max_length=256)] | None = None  # logged, like OpenAI
+
+
+class ChatCompletionRequest(_GenerateParams, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+
+class CompletionRequest(_GenerateParams, kw_only=True):
+    # One prompt: a string or token ids. A list of several prompts is n>1 in disguise.
+    prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool | None = None
+    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ----------------------------------------------------------------------------- responses
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: str  # "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str  # "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str  # "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    root: str  # the pool's model source
+    object: str = "model"
+    owned_by: str = "sluice"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class Health(msgspec.Struct):
+    status: str  # "ok" | "loading" | "draining" | "engine_dead"
+    detail: str = ""
+
+
+# ------------------------------------------------------------------------------ decoding
+T = TypeVar("T")
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<name>.+)`")
+_HINTS = {
+    "n": "this server returns one choice per request",
+    "best_of": "this server returns one choice per request",
+    "stop": "up to 4 non-empty stop strings",
+    "top_logprobs": "0 to 20",
+    "logprobs": "0 to 20 for completions, a boolean for chat",
+}
+
+
+def decode_body(body: bytes, type: type[T]) -> T:
+    """Decode a request body, turning every failure into a 400 that names the parameter."""
+    try:
+        return msgspec.json.decode(body, type=type)
+    except msgspec.ValidationError as e:
+        raise _validation_error(body, type, e) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(
+            f"We could not parse the JSON body of your request ({e}). The body must be a "
+            "UTF-8 JSON object.",
+            code="invalid_json",
+        ) from None
+
+
+def _validation_error(body: bytes, type: type, e: msgspec.ValidationError) -> APIError:
+    what, sep, where = str(e).rpartition(" - at ")
+    if not sep:
+        what, where = str(e), "$"
+    path = where.strip("`").removeprefix("$").lstrip(".") or None
+    unknown = _UNKNOWN.match(what)
+    if unknown:
+        names = [unknown["name"]]
+        if path is None:  # top level: name every unsupported parameter, not just the first
+            try:
+                raw = msgspec.json.decode(body)
+                names = sorted(set(raw) - set(type.__struct_fields__)) or names
+            except (msgspec.DecodeError, TypeError):
+                pass
+        where_txt = f" in `{path}`" if path else ""
+        listed = ", ".join(f"`{n}`" for n in names)
+        return bad_request(
+            f"Unsupported parameter{'s' if len(names) > 1 else ''}{where_txt}: {listed}. "
+            "This server does not implement it; remove it from the request.",
+            param=f"{path}.{names[0]}" if path else names[0],
+            code="unsupported_parameter",
+        )
+    missing = re.match(r"Object missing required field `(.+)`", what)
+    if missing:
+        param = f"{path}.{missing[1]}" if path else missing[1]
+        return bad_request(f"Missing required parameter: `{param}`.", param=param,
+                           code="missing_required_parameter")
+    if path is None:
+        return bad_request(f"Invalid request body: {what}.", code="invalid_type")
+    hint = _HINTS.get(path.split("[")[0].split(".")[0])
+    return bad_request(
+        f"Invalid value for `{path}`: {what}" + (f" ({hint})." if hint else "."),
+        param=path,
+        code="invalid_value",
+    )

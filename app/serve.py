@@ -1,0 +1,99 @@
+"""`sluice serve` and `sluice generate`: the two commands that load a model.
+
+`serve` binds the port first (so /health answers "loading" at once), shows loading and
+warmup progress on stderr, then prints a ready line with a curl example. `generate` loads
+the same pool and streams one answer to the terminal through the engine, without HTTP:
+the quickest way to see the model, the runner and the engine work together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import trio
+
+from config.settings import Settings
+
+from .guardrails import Guardrails
+from .state import ServerState
+from .tenants import Tenants
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def serve(settings: Settings) -> int:
+    from .loading import load_pools
+    from .server import run_server
+
+    logging.basicConfig(level=logging.WARNING,  # libraries' INFO chatter (jax) stays out
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("sluice", "hypercorn.error"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    console = _console()
+    state = ServerState(settings, Tenants(list(settings.tenants)), Guardrails(settings.guardrails))
+    names = [n for p in settings.pools for n in p.served_model_names]
+
+    def listening(binds: list[str]) -> None:
+        console.print(f"[bold]sluice[/] listening on {', '.join(binds)}; loading "
+                      f"{', '.join(p.model for p in settings.pools)} (/health: 503 until ready)",
+                      soft_wrap=True)
+
+    def ready(binds: list[str]) -> None:
+        url = binds[0].replace("0.0.0.0", "127.0.0.1")
+        body = json.dumps({"model": names[0], "messages": [
+            {"role": "user", "content": "What is the capital of France?"}]})
+        auth = " -H 'Authorization: Bearer $KEY'" if settings.tenants else ""
+        console.print(
+            f"[bold green]ready[/] on {url} serving {', '.join(names)}\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'\n"
+            f"  or: sluice chat --url {url}    (Ctrl-C here drains and stops)",
+            soft_wrap=True)  # one line per command, so it can be copied
+
+    trio.run(lambda: run_server(state, lambda: load_pools(settings), on_listening=listening,
+                                on_ready=ready))
+    console.print("sluice: stopped")
+    return 0
+
+
+def generate(settings: Settings, prompt: str, *, max_tokens: int, temperature: float,
+             raw: bool) -> int:
+    from scheduler.api import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
+    from scheduler.protocol import SamplingParams
+
+    from .loading import build_pool
+
+    pool = build_pool(settings.pools[0])
+    tok = pool.tokenizer
+    ids = tok.encode(prompt) if raw else tok.encode_chat([{"role": "user", "content": prompt}])
+    max_tokens = max(1, min(max_tokens, pool.max_context - len(ids)))
+    status = 0
+
+    async def run() -> None:
+        nonlocal status
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            _, handle = pool.submit(GenerateRequest(
+                ids, max_tokens, SamplingParams(temperature=temperature)))
+            async for ev in handle.events:
+                if isinstance(ev, TokenEvent):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                elif isinstance(ev, FinishEvent):
+                    sys.stdout.write("\n")
+                    _console().print(
+                        f"[dim]{ev.completion_tokens} tokens, finish_reason={ev.finish_reason}, "
+                        f"ttft {ev.ttft_s or 0:.2f}s, total {ev.e2e_s:.2f}s[/]")
+                elif isinstance(ev, ErrorEvent):
+                    _console().print(f"[red]error:[/] {ev.message}")
+                    status = 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(run)
+    return status

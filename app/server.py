@@ -1,0 +1,186 @@
+"""The server: a quart-trio app on hypercorn's trio worker, and the one nursery that owns it.
+
+`run_server` opens one nursery holding hypercorn (and through it every connection and
+every stream), the engine loops of every pool, and the signal watcher. The port is bound
+first, so /health answers 503 "loading" while the model loads and warms up; then the
+engines start and the server turns ready. A crash in an engine loop or in loading takes
+the whole nursery down visibly instead of leaving a half-alive server.
+
+Drain (first SIGINT/SIGTERM, or `state.request_drain`): new requests get 503, engines stop
+admitting, running streams get `drain_grace_s` to finish; what is left is then ended
+cleanly (an error event and ``[DONE]``, its sequence aborted), hypercorn closes, and the
+engine loops are cancelled. A second signal cancels at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from typing import Awaitable, Callable
+
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from .errors import APIError, error_type_for
+from .pools import Pool, Router
+from .routes import FLIGHTS_KEY, register_routes
+from .state import Phase, ServerState
+
+log = logging.getLogger("sluice.server")
+STOP_MESSAGE = "The server is shutting down; the request was ended before it finished."
+
+
+def _error_response(e: APIError) -> Response:
+    return Response(e.body(), status=e.status, content_type="application/json",
+                    headers=e.headers)
+
+
+def create_app(state: ServerState) -> QuartTrio:
+    app = QuartTrio("sluice")
+    app.config["RESPONSE_TIMEOUT"] = None  # Quart's 60 s default silently cuts long streams
+    app.config["MAX_CONTENT_LENGTH"] = state.settings.server.max_body_bytes
+    register_routes(app, state, started=int(time.time()))
+
+    @app.errorhandler(APIError)
+    async def api_error(e: APIError) -> Response:
+        return _error_response(e)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException) -> Response:
+        code = e.code or 500
+        name = (e.name or "error").lower().replace(" ", "_")
+        headers = {k: v for k, v in e.get_headers() if k.lower() == "allow"}  # 405 needs it
+        return _error_response(APIError(code, e.description or e.name or "error",
+                                        type=error_type_for(code), code=name, headers=headers))
+
+    @app.errorhandler(Exception)
+    async def server_error(e: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"Internal error: {type(e).__name__}",
+                                        type="server_error", code="internal_error"))
+
+    @app.after_request
+    async def drain_request_body(response: Response) -> Response:
+        """Read what is left of the request body before answering.
+
+        Hypercorn 0.18 (h11) wedges a keep-alive connection when a response completes
+        before the request body has arrived: the *next* request on it gets no answer at
+        all. Answers given before the body is read (404/405 routing, 401, automatic
+        OPTIONS) would hang clients that reuse connections. A body over the size limit
+        cannot be drained (413): that connection is closed instead.
+        """
+        with contextlib.suppress(HTTPException):
+            await request.get_data(cache=False)
+        return response
+
+    app.asgi_app = _CloseFlights(app.asgi_app)  # type: ignore[method-assign]
+    return app
+
+
+class _CloseFlights:
+    """ASGI safety net: closes every flight a request admitted once the request is over.
+
+    The SSE body's own `finally` normally does it; but a client that disconnects before
+    the body generator first runs (e.g. while the response head is being sent) never
+    starts it, and an unstarted generator runs no `finally`.
+    """
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope[FLIGHTS_KEY] = flights = []
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for flight in flights:
+                flight.close()
+
+
+async def drain(state: ServerState, grace_s: float) -> None:
+    state.phase = Phase.DRAINING
+    for pool in state.router.pools if state.router else []:
+        pool.start_draining()
+    with trio.move_on_after(grace_s):
+        while state.flights:
+            await state.idle.wait()
+    left = list(state.flights)
+    if left:
+        log.warning("drain: ending %d requests still running after %.1fs", len(left), grace_s)
+    for flight in left:
+        flight.stop(STOP_MESSAGE)
+
+
+async def run_server(
+    state: ServerState,
+    load_pools: Callable[[], Awaitable[list[Pool]]],
+    *,
+    on_listening: Callable[[list[str]], None] | None = None,
+    on_ready: Callable[[list[str]], None] | None = None,
+    handle_signals: bool = True,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until drained. `task_status.started(binds)` once the port is bound."""
+    cfg = state.settings.server
+    hconf = HyperConfig()
+    hconf.bind = [f"{cfg.host}:{cfg.port}"]
+    hconf.graceful_timeout = 5.0  # streams were already drained; this only flushes writes
+    hconf.accesslog = None
+    hconf.errorlog = logging.getLogger("hypercorn.error")  # through our logging, once
+    stop_http, http_done = trio.Event(), trio.Event()
+
+    async def http(task_status: trio.TaskStatus[list[str]]) -> None:
+        try:
+            await hypercorn_serve(create_app(state), hconf, shutdown_trigger=stop_http.wait,
+                                  task_status=task_status)
+        finally:
+            http_done.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            if handle_signals:
+                nursery.start_soon(_watch_signals, state, nursery.cancel_scope)
+            binds = await nursery.start(http)
+            if on_listening:
+                on_listening(binds)
+            task_status.started(binds)
+            with trio.CancelScope() as loading:  # a drain during loading just stops
+                nursery.start_soon(_cancel_on, state.drain_requested, loading)
+                pools = await load_pools()
+                for pool in pools:
+                    await nursery.start(pool.run)
+                state.ready(Router(pools))
+                if on_ready:
+                    on_ready(binds)
+                await state.drain_requested.wait()
+            await drain(state, cfg.drain_grace_s)
+            stop_http.set()  # hypercorn returns once its connections are closed
+            with trio.move_on_after(hconf.graceful_timeout + 1):
+                await http_done.wait()
+            nursery.cancel_scope.cancel()  # the engine loops
+    finally:
+        with trio.CancelScope(shield=True):
+            await state.guard.aclose()
+
+
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _watch_signals(state: ServerState, everything: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if not state.drain_requested.is_set():
+                log.warning("%s: draining (again to stop at once)", signal.Signals(signum).name)
+                state.request_drain()
+            else:
+                everything.cancel()

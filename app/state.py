@@ -1,0 +1,97 @@
+"""What one server process holds: its phase, pools, tenants, guardrails, metrics and flights.
+
+A `Flight` is one admitted request from admission to its last byte. It owns three things
+that must be given back exactly once, whatever way the request ends (finished, failed,
+client gone, server draining): the engine's sequence (`abort`, which frees its pages
+before the next iteration), the tenant's lease, and a slot under `max_streams`.
+`Flight.close` gives all three back, is synchronous (cleanup runs in `finally` of an
+already-cancelled scope, where nothing may be awaited) and idempotent (it is called from
+the stream's `finally` and again by the ASGI safety net in server.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from config.settings import Settings
+
+from .guardrails import Guardrails
+from .metrics import Metrics
+from .pools import Pool, Router
+from .tenants import Lease, Tenants
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass(eq=False)
+class Flight:
+    state: ServerState
+    pool: Pool
+    lease: Lease
+    prompt_tokens: int
+    replica: int = -1
+    handle: Any = None  # scheduler RequestHandle (.request_id, .events) once submitted
+    generated: int = 0
+    closed: bool = False
+    stop_reason: str | None = None  # set when the server ends the request (drain)
+    receive_scope: trio.CancelScope | None = None  # cancelled by `stop` to wake the reader
+
+    def submitted(self, replica: int, handle: Any) -> None:
+        self.replica, self.handle = replica, handle
+        if self.closed:  # stopped while it was being submitted (e.g. at the input check)
+            self.pool.finish(replica, handle.request_id)
+
+    def stop(self, reason: str) -> None:
+        """End the request from outside (drain): abort it and wake its reader."""
+        self.stop_reason = reason
+        if self.receive_scope is not None:
+            self.receive_scope.cancel()
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.handle is not None:
+            self.pool.finish(self.replica, self.handle.request_id)
+        self.lease.release(self.prompt_tokens + self.generated if self.handle else 0)
+        self.state.flights.discard(self)
+        if not self.state.flights:
+            self.state.idle.set()
+
+
+@dataclass(eq=False)
+class ServerState:
+    settings: Settings
+    tenants: Tenants
+    guard: Guardrails
+    metrics: Metrics = field(default_factory=Metrics)
+    router: Router | None = None
+    phase: Phase = Phase.LOADING
+    load_error: str | None = None
+    flights: set[Flight] = field(default_factory=set)
+    idle: trio.Event = field(default_factory=trio.Event)  # set whenever flights empties
+    drain_requested: trio.Event = field(default_factory=trio.Event)
+
+    def request_drain(self) -> None:
+        """Begin a graceful shutdown (what SIGINT/SIGTERM do); server.py carries it out."""
+        self.drain_requested.set()
+
+    def ready(self, router: Router) -> None:
+        self.router = router
+        self.metrics.router = router
+        if self.phase is Phase.LOADING:
+            self.phase = Phase.READY
+
+    def add_flight(self, flight: Flight) -> None:
+        if not self.flights:
+            self.idle = trio.Event()
+        self.flights.add(flight)

@@ -1,0 +1,150 @@
+"""The happy paths, through httpx and the official openai client (max_retries=0)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tests.app.harness import EOS, MODEL, serve, sse_events
+
+
+async def test_chat_non_streaming_openai_client():
+    async with serve() as srv:
+        client = srv.openai()
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        # Chat prompts end with token 500; succ_rule then gives 501.. = letters of t % 26.
+        assert r.choices[0].message.content == "hijkl"
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].finish_reason == "length"
+        assert r.model == MODEL and r.object == "chat.completion"
+        prompt = len("<user>hi") + 1
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt, 5)
+        assert r.usage.total_tokens == prompt + 5
+        await client.close()
+
+
+async def test_chat_streaming_openai_client_with_usage():
+    async with serve() as srv:
+        client = srv.openai()
+        stream = await client.chat.completions.create(
+            model="fake-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+            stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "hijklmn"
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+        assert all(c.model == MODEL for c in chunks)
+        await client.close()
+
+
+async def test_completion_stops_at_eos_streaming_and_not():
+    # A prompt ending in token EOS-3 generates EOS-2, EOS-1, then EOS: "stop" after 2 tokens
+    # (the eos is counted as a completion token but not output).
+    prompt = "ab" + chr(EOS - 3)
+    async with serve() as srv, srv.client() as http:
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                     "max_tokens": 50})
+        body = r.json()
+        assert r.status_code == 200, body
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert body["choices"][0]["text"] == "jk"  # 997, 998 -> letters 9, 10
+        assert body["usage"]["completion_tokens"] == 3
+
+
+async def test_completion_streaming_raw_sse_ends_with_done():
+    async with serve() as srv, srv.client() as http:
+        r = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        chunks = [msgspec.json.decode(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "efgh"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
+                                       "total_tokens": 7,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_models_health_tokenize_detokenize_openapi():
+    async with serve() as srv, srv.client() as http:
+        models = (await http.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL, "fake-alias"]
+        assert models["data"][0]["max_model_len"] == 2048
+        assert (await http.get("/health")).json() == {"status": "ok", "detail": ""}
+        r = await http.post("/tokenize", json={"prompt": "abc"})
+        assert r.json() == {"tokens": [97, 98, 99], "count": 3, "max_model_len": 2048}
+        r = await http.post("/tokenize", json={"model": MODEL,
+                                               "messages": [{"role": "user", "content": "x"}]})
+        assert r.json()["tokens"][-1] == 500
+        r = await http.post("/detokenize", json={"tokens": [0, 1, 2]})
+        assert r.json() == {"prompt": "abc"}
+        spec = (await http.get("/openapi.json")).json()
+        assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
+                "/metrics", "/tokenize", "/detokenize", "/openapi.json"} <= set(spec["paths"])
+        assert "ChatCompletionRequest" in spec["components"]["schemas"]
+
+
+async def test_stop_strings_logprobs_and_seed():
+    async with serve() as srv, srv.client() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 10, "stop": ["kl"], "logprobs": True, "top_logprobs": 0,
+                "seed": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+                "presence_penalty": 0.5, "frequency_penalty": -0.5, "priority": 3,
+                "user": "someone", "n": 1}
+        r = await http.post("/v1/chat/completions", json=body)
+        out = r.json()
+        assert r.status_code == 200, out
+        assert out["choices"][0]["message"]["content"] == "hij"
+        assert out["choices"][0]["finish_reason"] == "stop"
+        lps = out["choices"][0]["logprobs"]["content"]
+        assert [lp["token"] for lp in lps][:3] == ["h", "i", "j"]
+        assert all(lp["logprob"] == -1.0 and lp["top_logprobs"] == [] for lp in lps)
+
+
+async def test_metrics_names_and_labels():
+    async with serve() as srv, srv.client() as http:
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "abc",
+                                                     "max_tokens": 3, "stream": True})
+        assert r.status_code == 200
+        await srv.wait_idle()
+        text = (await http.get("/metrics")).text
+        names = {
+            "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds",
+                          "e2e_request_latency_seconds", "request_queue_time_seconds"],
+            "gauge": ["num_requests_running", "num_requests_waiting",
+                      "oldest_waiting_age_seconds", "kv_cache_usage_perc", "kv_pages_in_use",
+                      "kv_pages_total", "engine_busy_fraction"],
+            "counter": ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                        "requests_rejected", "prompt_tokens", "generation_tokens"],
+        }
+        for kind, metrics in names.items():
+            for name in metrics:
+                name += "_total" if kind == "counter" else ""
+                assert f"# TYPE sluice:{name} {kind}" in text, name
+        labels = f'{{model="{MODEL}",pool="test"}}'
+        assert f"sluice:time_to_first_token_seconds_count{labels} 1.0" in text
+        assert f"sluice:kv_pages_in_use{labels} 0.0" in text
+        assert f"sluice:generation_tokens_total{labels} 3.0" in text
+        assert f"sluice:prompt_tokens_total{labels} 3.0" in text
+
+
+async def test_dead_engine_turns_health_and_requests_503():
+    async with serve() as srv, srv.client() as http:
+        runner = srv.pool.engines[0].runner
+        runner.fail_next = 10  # three failed steps in a row kill the engine
+        for _ in range(3):
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a",
+                                                         "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        r = await http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "engine_dead"
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert (await http.get("/metrics")).status_code == 200

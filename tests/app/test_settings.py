@@ -1,0 +1,83 @@
+"""Settings: the default preset decodes; a bad file names the file, the key and what was
+expected; the CLI's overrides land where they should."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.cli import _parser, main, settings_from
+from config.settings import DEFAULT_PRESET, ConfigError, Settings, load_settings
+
+
+def test_default_preset_is_one_embedded_pool_and_no_tenants():
+    s = load_settings()
+    assert load_settings(DEFAULT_PRESET) == s
+    (pool,) = s.pools
+    assert pool.model == "embedded" and pool.served_model_names == ["smollm2-135m-instruct"]
+    assert s.tenants == [] and s.guardrails.input_url is None
+    assert s.server.host == "127.0.0.1" and s.server.port == 8000
+    assert pool.scheduler.max_running == max(pool.decode_buckets)
+    assert Settings().pools[0].model == "embedded"  # the library default serves the same
+
+
+@pytest.mark.parametrize("text, key, expected", [
+    ("[server]\nport = 'eighty'\n", "$.server.port", "Expected `int`, got `str`"),
+    ("[server]\nport = 70000\n", "$.server.port", "Expected `int` <= 65535"),
+    ("[server]\nprot = 1\n", "$.server", "unknown field `prot`"),
+    ("[[pools]]\npage_size = 0\n", "$.pools[0].page_size", "Expected `int` >= 1"),
+    ("[[pools]]\nprefill_buckets = [[1, 2, 3]]\n", "$.pools[0].prefill_buckets[0]",
+     "Expected `array` of length 2"),
+    ("[[pools]]\ndtype = 'float8'\n", "$.pools[0].dtype", "Invalid enum value 'float8'"),
+    ("[[pools]]\n[pools.scheduler]\nmode = 'eager'\n", "$.pools[0].scheduler.mode",
+     "Invalid enum value 'eager'"),
+    ("[[pools]]\nmax_prompt_tokens = 5\nmin_prompt_tokens = 9\n", "$.pools[0]",
+     "max_prompt_tokens (5) must be >= min_prompt_tokens (9)"),
+    ("pools = []\n", "$.pools", "Expected `array` of length >= 1"),
+    ("[[tenants]]\nname = 'a'\napi_key_sha256 = 'not-hex'\n", "$.tenants[0].api_key_sha256",
+     "Expected `str` matching regex"),
+    ("[[tenants]]\napi_key_sha256 = '" + "a" * 64 + "'\n", "$.tenants[0]",
+     "missing required field `name`"),
+    ("[[tenants]]\nname = 'a'\napi_key_sha256 = '" + "a" * 64 + "'\n[[tenants]]\nname = 'a'\n"
+     "api_key_sha256 = '" + "b" * 64 + "'\n", "$", "duplicate tenant name: a"),
+    ("[guardrails]\ninput_budget_ms = -1\n", "$.guardrails.input_budget_ms",
+     "Expected `float` > 0.0"),
+])
+def test_bad_config_names_file_key_and_expectation(tmp_path, text, key, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: {key}: "), msg
+    assert expected in msg, msg
+
+
+def test_unreadable_and_invalid_toml(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.toml: cannot read config"):
+        load_settings(tmp_path / "nope.toml")
+    bad = tmp_path / "syntax.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(ConfigError, match=r"syntax\.toml: not valid TOML: .*line 1"):
+        load_settings(bad)
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nport = 'x'\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"sluice: {bad}: $.server.port: Expected `int`, got `str`"
+
+
+def test_cli_overrides():
+    args = _parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "9000", "--model",
+                                 "random:tiny", "--max-waiting", "3", "--scheduling",
+                                 "static", "--no-prefix-cache"])
+    s = settings_from(args)
+    assert (s.server.host, s.server.port) == ("0.0.0.0", 9000)
+    pool = s.pools[0]
+    assert pool.model == "random:tiny"
+    assert (pool.scheduler.max_waiting, pool.scheduler.mode, pool.scheduler.prefix_cache) == (
+        3, "static", False)
+    plain = settings_from(_parser().parse_args(["serve"]))
+    assert plain == load_settings()
