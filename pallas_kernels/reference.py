@@ -73,14 +73,12 @@ def paged_attention_reference(
     # Gather whole pages as flat rows: on XLA:CPU a gather of [page, page_size, kv_heads,
     # head_dim] slices ran at half the speed of the same bytes gathered as one row per page.
     num_pages = k_pages.shape[0]
-    k_rows = k_pages.reshape(num_pages, ps * kvh * d)
-    v_rows = v_pages.reshape(num_pages, ps * kvh * d)
 
     def body(j, carry):
         m, l, acc = carry  # m, l: [s, kvh, g, nq]; acc: [s, kvh, g, nq, d]
         pages = lax.dynamic_slice_in_dim(page_tables, j * pages_per_block, pages_per_block, 1)
-        k = k_rows[pages].reshape(s, blk, kvh, d).astype(acc_dtype)
-        v = v_rows[pages].reshape(s, blk, kvh, d).astype(acc_dtype)
+        k = k_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(acc_dtype)
+        v = v_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(acc_dtype)
         scores = jnp.einsum("sqkgd,stkd->skgqt", qg, k)  # [s, kvh, g, nq, blk]
         k_pos = j * blk + jnp.arange(blk)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
