@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep_main(argv: list[str] | None = None) -> int:
-    """`sluice bench-sweep LABEL=URL ... [--spawn LABEL:ARGS ...] [flags]`; 0 if no target failed."""
+    """`sluice bench-sweep LABEL=URL... [--spawn LABEL:ARGS]... [flags]`; 0 unless one failed."""
     from .report import print_json
     from .sweep import check_labels, run_sweep
 

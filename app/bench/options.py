@@ -90,14 +90,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     """Flags that `bench` and `bench-sweep` share."""
     a = p.add_argument
     a("--seed", type=int, default=0, help="the workload's seed (default 0)")
-    a("--duration", dest="duration_s", type=float, help="seconds to send for")
+    a("--duration", dest="duration_s", metavar="S", type=float, help="seconds to send for")
     a("--requests", type=int, help="requests to send (default 100 if --duration is unset)")
     a("--warmup-requests", type=int, default=0,
       help="requests sent one by one before measuring, not counted (e.g. to fill a cache)")
     a("--model", help="model name to ask for (default: the first of GET /v1/models)")
     a("--api-key", default=os.environ.get("SLUICE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
       help="Bearer key (default: $SLUICE_API_KEY or $OPENAI_API_KEY)")
-    a("--timeout", dest="timeout_s", type=float, default=300.0,
+    a("--timeout", dest="timeout_s", metavar="S", type=float, default=300.0,
       help="seconds one request may take (default 300)")
     a("--slo-ttft", type=float, default=1.0, help="SLO on TTFT, seconds (default 1.0)")
     a("--slo-itl", type=float, help="SLO on a request's p95 ITL, seconds (default: none)")
@@ -109,9 +109,10 @@ def _common(p: argparse.ArgumentParser) -> None:
       help="do not call POST /tokenize; assume 0.75 words a token")
     a("--words-per-token", type=float, help="use this ratio instead of calibrating")
     a("--system-tokens", type=int, help="shared-prefix: system prompt length (2000)")
-    a("--metrics-interval", dest="metrics_interval_s", type=float, default=1.0,
+    a("--metrics-interval", dest="metrics_interval_s", metavar="S", type=float, default=1.0,
       help="seconds between /metrics samples (default 1)")
-    a("--out", type=Path, help="directory for the JSON, per-request records and PNG plots")
+    a("--out", type=Path, metavar="DIR",
+      help="directory for the JSON, per-request records and PNG plots")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -133,9 +134,9 @@ def bench_parser() -> argparse.ArgumentParser:
     a("--long-prompt-tokens", type=int, help="long-interference: the long prompt (6000)")
     a("--long-max-tokens", type=int, help="long-interference: its answer cap (16)")
     a("--short-streams", type=int, default=4, help="long-interference: short streams (4)")
-    a("--warmup", dest="warmup_s", type=float, default=10.0,
+    a("--warmup", dest="warmup_s", metavar="S", type=float, default=10.0,
       help="long-interference: seconds of short streams before the long prompt (10)")
-    a("--tail", dest="tail_s", type=float, default=5.0,
+    a("--tail", dest="tail_s", metavar="S", type=float, default=5.0,
       help="long-interference: seconds to go on after the long request ends (5)")
     a("--overload-factor", type=float, default=5.0,
       help="overload: arrival rate as a multiple of the measured capacity (5)")
@@ -143,7 +144,7 @@ def bench_parser() -> argparse.ArgumentParser:
       help="overload: closed-loop concurrency that measures capacity (--concurrency)")
     a("--capacity-requests", type=int,
       help="overload: requests that measure capacity (2 x that concurrency)")
-    a("--capacity-duration", dest="capacity_duration_s", type=float, default=120.0,
+    a("--capacity-duration", dest="capacity_duration_s", metavar="S", type=float, default=120.0,
       help="overload: at most this many seconds measuring capacity (120)")
     a("--max-inflight", type=int, default=512,
       help="open loop: arrivals beyond this many in flight are dropped (512)")

@@ -88,6 +88,8 @@ def sweep_chart(points: Mapping[str, Sequence[Mapping[str, Any]]], path: Path,
                 title: str = "") -> Path:
     """``points``: label -> one summary per concurrency (as `sweep` collects them)."""
     plt = _pyplot()
+    from matplotlib.ticker import NullLocator
+
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     (a_ttft, a_itl), (a_thr, a_lat) = axes
 
@@ -121,8 +123,12 @@ def sweep_chart(points: Mapping[str, Sequence[Mapping[str, Any]]], path: Path,
     a_lat.set(xlabel="concurrency", ylabel="seconds", title="p95 latency")
     if any(y > 0 for y in latencies):  # (matplotlib warns when nothing is positive)
         a_lat.set_yscale("log")
+    levels = sorted({c for rows in points.values() for c in col(rows, "load", "concurrency")
+                     if c == c})  # (not NaN)
     for ax in (a_thr, a_lat):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [f"{c:.0f}" for c in levels])
+        ax.xaxis.set_minor_locator(NullLocator())
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

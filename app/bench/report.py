@@ -32,6 +32,10 @@ def write_run(result: Result, out: Path, *, plots: bool = True) -> list[str]:
     with open(out / "requests.jsonl", "wb") as f:
         for rec in result.records:
             f.write(msgspec.json.encode(rec) + b"\n")
+    if plots and not have_matplotlib():
+        print("sluice bench: no matplotlib, so no charts (pip install 'sluice[bench]')",
+              file=sys.stderr)
+        plots = False
     if plots:
         from . import plots as p
 
@@ -49,6 +53,12 @@ def write_run(result: Result, out: Path, *, plots: bool = True) -> list[str]:
     return names
 
 
+def have_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def print_json(summary: Mapping[str, Any]) -> None:
     sys.stdout.write(to_json(summary) + "\n")
     sys.stdout.flush()
@@ -58,11 +68,18 @@ def _ms(x: Any) -> str:
     return "-" if x is None else f"{1000 * x:.1f}"
 
 
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def print_table(summary: Mapping[str, Any]) -> None:
     """A human summary on stderr."""
     c = Console(stderr=True)
-    t = Table(title=f"{summary.get('label') or summary.get('target')} "
-                    f"{summary.get('workload')} {summary.get('load')}")
+    load = summary.get("load") or {}
+    shape = (f"rate {load['rate_rps']:.2f}/s" if load.get("mode") == "open"
+             else f"concurrency {load.get('concurrency')}")
+    t = Table(title=f"{summary.get('label') or summary.get('target')}: "
+                    f"{summary.get('workload')}, {shape}")
     t.add_column("ms")
     for q in ("p50", "p90", "p95", "p99", "max"):
         t.add_column(q, justify="right")
@@ -72,21 +89,20 @@ def print_table(summary: Mapping[str, Any]) -> None:
         t.add_row(name, *(_ms(d.get(q)) for q in ("p50", "p90", "p95", "p99", "max")))
     c.print(t)
     thr, req, slo = summary["throughput"], summary["requests"], summary["slo"]
-    att = slo["attainment"]
     c.print(f"{req['ok']}/{req['total']} ok, {req['rate_limited']} x 429, "
             f"{req['server_errors_5xx']} x 5xx in {summary['duration_s']:.1f} s: "
             f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.1f} out tok/s; "
-            f"SLO attainment {'-' if att is None else f'{att:.0%}'}")
+            f"SLO attainment {_pct(slo['attainment'])}")
     server = summary.get("server")
     if server:
-        hit = server["prefix_cache_hit_rate"]
-        c.print(f"server: prefix-cache hits {'-' if hit is None else f'{hit:.0%}'}, "
-                f"KV use max {server['kv_cache_usage']['max']}, "
-                f"busy {server['engine_busy_fraction_run']}, "
+        kv = server["kv_cache_usage"]
+        c.print(f"server: prefix-cache hits {_pct(server['prefix_cache_hit_rate'])}, "
+                f"KV use mean {_pct(kv['mean'])} max {_pct(kv['max'])}, "
+                f"engine busy {_pct(server['engine_busy_fraction_run'])}, "
                 f"preemptions {server['preemptions']:.0f}")
     li = summary.get("long_interference")
     if li:
-        c.print(f"long prompt TTFT {li['long']['ttft_s']} s; short p95 ITL before "
+        c.print(f"long prompt TTFT {_ms(li['long']['ttft_s'])} ms; short p95 ITL before "
                 f"{_ms(li['short_itl_before_s']['p95'])} ms, during "
                 f"{_ms(li['short_itl_during_s']['p95'])} ms")
     for err, n in (summary.get("errors") or {}).items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator
 
 import httpx
@@ -23,8 +24,8 @@ from .options import BenchConfig
 from .progress import RunProgress
 from .server_metrics import Sampler
 from .stats import interference, summarize
-from .workloads import DEFAULT_WORDS_PER_TOKEN, LongInterference, Workload, calibrate, \
-    make_workload
+from .workloads import (DEFAULT_WORDS_PER_TOKEN, LongInterference, Workload, calibrate,
+                        make_workload)
 
 CAPACITY_INDEX = 1_000_000  # capacity-phase requests: distinct from the measured ones
 WARMUP_INDEX = 2_000_000
@@ -83,14 +84,22 @@ async def first_model(http: httpx.AsyncClient) -> str | None:
         return None
 
 
+def pool_size(cfg: BenchConfig) -> int:
+    """Connections: one per request that the load shape can have in flight at once."""
+    if cfg.workload == "long-interference":
+        return cfg.short_streams + 1
+    if cfg.workload == "overload":
+        return max(cfg.max_inflight, cfg.capacity_concurrency or cfg.concurrency)
+    return cfg.max_inflight if cfg.rate else cfg.concurrency
+
+
 async def run_bench(cfg: BenchConfig) -> Result:
     cfg = cfg.bounded()
-    connections = {"long-interference": cfg.short_streams + 1,
-                   "overload": max(cfg.max_inflight, cfg.capacity_concurrency or cfg.concurrency)
-                   }.get(cfg.workload, cfg.max_inflight if cfg.rate else cfg.concurrency)
-    async with open_client(cfg.url, connections, api_key=cfg.api_key,
-                           timeout_s=cfg.timeout_s) as http, \
-            open_client(cfg.url, 2, api_key=cfg.api_key, timeout_s=30.0) as side:
+    load = open_client(cfg.url, pool_size(cfg), api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+    # Model list, /tokenize and /metrics go on their own connections, never queued
+    # behind the load.
+    side = open_client(cfg.url, 2, api_key=cfg.api_key, timeout_s=30.0)
+    async with load as http, side:
         model = cfg.model or await first_model(side)
         wpt, source = cfg.words_per_token, "flag"
         if wpt is None and cfg.calibrate:
@@ -156,9 +165,9 @@ async def _long_interference(ctx: _Ctx) -> Phase:
         async with ctx.measured(p), trio.open_nursery() as nursery:
             # The shorts' own bound only matters if the long request hangs past its timeout.
             bound = cfg.warmup_s + cfg.timeout_s + cfg.tail_s
-            nursery.start_soon(lambda: closed_loop(shooter, workload.request,
-                                                   cfg.short_streams, duration_s=bound,
-                                                   start_index=cfg.start_index))
+            nursery.start_soon(partial(closed_loop, shooter, workload.request,
+                                       cfg.short_streams, duration_s=bound,
+                                       start_index=cfg.start_index))
             await trio.sleep(cfg.warmup_s)
             long = await shooter.fire(workload.long(), -1)
             await trio.sleep(cfg.tail_s)

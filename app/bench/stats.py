@@ -157,7 +157,8 @@ def interference(shorts: Sequence[RequestRecord], long: RequestRecord) -> dict[s
     up as one gap that began before the long request's first token and may end just
     after it, in the same engine step. *Before* gaps end before the send; *after* gaps
     begin after the first token. Cancelled short streams (the run ends them) count: their
-    gaps were real.
+    gaps were real. A short request *sent* during the window waits in its TTFT, not in a
+    gap, so those TTFTs are reported apart (``short_ttft_sent_during_s``).
     """
     send = long.start
     first = long.start + long.ttft if long.ttft is not None else None
@@ -178,5 +179,7 @@ def interference(shorts: Sequence[RequestRecord], long: RequestRecord) -> dict[s
         "short_itl_before_s": d_before,
         "short_itl_during_s": d_during,
         "short_itl_after_s": distribution(after),
+        "short_ttft_sent_during_s": distribution(
+            r.ttft for r in shorts if send <= r.start < end and r.ttft is not None),
         "p95_during_over_before": ratio,
     }

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import trio
 from rich.console import Console
 
 from .options import config_from
-from .report import to_json, write_run
+from .report import have_matplotlib, print_table, to_json, write_run
 from .run import BenchError, run_bench
 from .spawn import SpawnError, sluice_command, spawned
 
@@ -48,6 +47,7 @@ async def _points(args: argparse.Namespace, label: str, url: str) -> list[dict[s
         cfg = config_from(args, url=url, label=label, concurrency=c,
                           start_index=k * LEVEL_STRIDE, **bound)
         result = await run_bench(cfg)
+        print_table(result.summary)
         if args.out:
             write_run(result, args.out / label / f"c{c}", plots=False)
         out.append(result.summary)
@@ -79,14 +79,18 @@ async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "errors": errors,
     }
     if args.out and points:
-        from .plots import sweep_chart
-
         args.out.mkdir(parents=True, exist_ok=True)
-        title = f"{args.workload}, seed {args.seed}"
-        chart = sweep_chart(points, args.out / "sweep.png", title)
         full = {**result, "points": points}
         (args.out / "sweep.json").write_text(to_json(full, indent=2) + "\n")
-        result["files"] = [str(args.out / "sweep.json"), str(chart)]
+        result["files"] = [str(args.out / "sweep.json")]
+        if not have_matplotlib():
+            console.print("no matplotlib, so no chart (pip install 'sluice[bench]')")
+        else:
+            from .plots import sweep_chart
+
+            chart = sweep_chart(points, args.out / "sweep.png",
+                                f"{args.workload}, seed {args.seed}")
+            result["files"].append(str(chart))
     return result
 
 

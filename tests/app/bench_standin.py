@@ -48,6 +48,7 @@ class StandIn:
         "engine_busy_seconds": 10.0, "generation_tokens": 500.0, "prompt_tokens": 1000.0})
     rejected: float = 7.0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    clients: set[tuple[str, int]] = field(default_factory=set)  # connections seen
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -75,6 +76,7 @@ class StandIn:
             n = 2 * len(json.loads(body)["prompt"].split())
             await _json(send, 200, {"tokens": list(range(n)), "count": n})
         elif route == ("POST", "/v1/chat/completions"):
+            self.clients.add(tuple(scope["client"]))
             await self.chat(json.loads(body), send)
         else:
             await _json(send, 404, {"error": {"message": "no such route"}})

@@ -162,6 +162,7 @@ async def test_closed_loop_timings_tokens_and_server_metrics(tmp_path: Path):
     assert server["engine_busy_fraction"] == 0.25
     # What went over the wire.
     assert len(app.bodies) == 12
+    assert len(app.clients) <= 4  # the pool's connections, kept alive between requests
     systems = {b["messages"][0]["content"] for b in app.bodies}
     questions = {b["messages"][1]["content"] for b in app.bodies}
     assert len(systems) == 1 and len(questions) == 12
@@ -196,8 +197,9 @@ async def test_open_loop_refusals_are_counted_with_their_retry_after():
 
 async def test_long_interference_reports_the_stall(tmp_path: Path):
     async with standin(ttft_s=0.02, itl_s=0.02, long_words=1000, long_ttft_s=0.5) as (_, url):
+        # Shorts of 40 tokens (~0.8 s) are mid-stream when the long prompt comes at 0.4 s.
         cfg = BenchConfig(url=url, workload="long-interference", short_streams=2,
-                          warmup_s=0.4, tail_s=0.2, max_tokens=6, long_prompt_tokens=2400,
+                          warmup_s=0.4, tail_s=0.4, max_tokens=40, long_prompt_tokens=2400,
                           progress=False)
         result = await run_bench(cfg)
     li = result.summary["long_interference"]
@@ -208,7 +210,8 @@ async def test_long_interference_reports_the_stall(tmp_path: Path):
     assert li["short_itl_during_s"]["count"] >= 2
     assert li["short_itl_during_s"]["max"] >= 0.3  # the stalled decode step
     assert li["p95_during_over_before"] > 3
-    assert result.summary["requests"]["ok"] >= 4  # the shorts only
+    assert result.summary["requests"]["ok"] >= 2  # the shorts only
+    assert result.summary["requests"]["cancelled"] >= 1  # in flight when the run ended
     assert {r.tag for r in result.records} == {"short", "long"}
     write_run(result, tmp_path)
     assert (tmp_path / "itl_timeline.png").read_bytes()[:8] == PNG
