@@ -38,9 +38,13 @@ class StepBatch:
     slots: jax.Array  # [T] int32: page * page_size + offset to write K/V; padding -> 0
     dec_page_tables: jax.Array  # [dec_seqs, pages_per_seq] int32
     dec_context_lens: jax.Array  # [dec_seqs] int32 (0 for padding)
+    dec_shared_pages: jax.Array  # [pages_per_seq] int32: page prefix all decode rows share
+    dec_shared_len: jax.Array  # [] int32: its length in tokens (0: none)
     pf_page_tables: jax.Array  # [pf_blocks, pages_per_seq] int32
     pf_context_lens: jax.Array  # [pf_blocks] int32: position of the block's last token + 1
     pf_query_lens: jax.Array  # [pf_blocks] int32: valid tokens in the block
+    pf_shared_pages: jax.Array  # [pages_per_seq] int32: page prefix all prefill blocks share
+    pf_shared_len: jax.Array  # [] int32
     sample_idx: jax.Array  # [sample_rows] int32: which flat tokens' logits to compute
 
 
@@ -140,13 +144,14 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
             qd = q[:n_dec].reshape(n_dec, 1, h_, d)
             od = paged_attention(qd, kc, vc, b.dec_page_tables, b.dec_context_lens,
                                  (b.dec_context_lens > 0).astype(jnp.int32),
+                                 b.dec_shared_pages, b.dec_shared_len,
                                  impl=attention_impl, pages_per_block=pages_per_block)
             outs.append(od.reshape(n_dec, h_ * d))
         if pf_blocks:
             qp = q[n_dec:].reshape(pf_blocks, block_q, h_, d)
             op = paged_attention(qp, kc, vc, b.pf_page_tables, b.pf_context_lens,
-                                 b.pf_query_lens, impl=attention_impl,
-                                 pages_per_block=pages_per_block)
+                                 b.pf_query_lens, b.pf_shared_pages, b.pf_shared_len,
+                                 impl=attention_impl, pages_per_block=pages_per_block)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
         x = x + attn @ lp["wo"]

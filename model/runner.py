@@ -163,8 +163,10 @@ class ModelRunner:
             tokens=i32(t), positions=i32(t), slots=i32(t),
             dec_page_tables=i32(b.dec_seqs, self.pages_per_seq),
             dec_context_lens=i32(b.dec_seqs),
+            dec_shared_pages=i32(self.pages_per_seq), dec_shared_len=i32(),
             pf_page_tables=i32(blocks, self.pages_per_seq),
             pf_context_lens=i32(blocks), pf_query_lens=i32(blocks),
+            pf_shared_pages=i32(self.pages_per_seq), pf_shared_len=i32(),
             sample_idx=i32(self._sample_rows(b)),
         )
 
@@ -332,12 +334,30 @@ class ModelRunner:
                 sample_idx[len(rows)] = flat + n - 1
                 rows.append(c)
             flat += nb * bq
+        dec_shared, dec_shared_len = self._shared_prefix(dec_pt[:len(dec)],
+                                                         dec_ctx[:len(dec)] - 1)
+        pf_shared, pf_shared_len = self._shared_prefix(pf_pt[:blk], (pf_ctx - pf_ql)[:blk])
         batch = StepBatch(tokens=tokens, positions=positions, slots=slots,
                           dec_page_tables=dec_pt, dec_context_lens=dec_ctx,
+                          dec_shared_pages=dec_shared, dec_shared_len=dec_shared_len,
                           pf_page_tables=pf_pt, pf_context_lens=pf_ctx,
-                          pf_query_lens=pf_ql, sample_idx=sample_idx)
+                          pf_query_lens=pf_ql, pf_shared_pages=pf_shared,
+                          pf_shared_len=pf_shared_len, sample_idx=sample_idx)
         real = sum(len(c.token_ids) for c in plan.chunks)
         return batch, bucket, rows, real
+
+    def _shared_prefix(self, tables: np.ndarray, first_pos: np.ndarray):
+        """The page-table prefix every row shares, in whole pages before every row's first
+        query: attention reads it once for the whole group (cascade attention)."""
+        shared = np.zeros(self.pages_per_seq, np.int32)
+        if len(tables) == 0:
+            return shared, np.int32(0)
+        limit = int(first_pos.min()) // self.page_size
+        if len(tables) > 1 and limit:
+            same = (tables[:, :limit] == tables[0, :limit]).all(axis=0)
+            limit = limit if same.all() else int(np.argmin(same))
+        shared[:limit] = tables[0, :limit]
+        return shared, np.int32(limit * self.page_size)
 
     def _sample(self, plan: StepPlan, logits, rows: list, n_rows: int) -> dict:
         if not rows:

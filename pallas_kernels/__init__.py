@@ -25,13 +25,17 @@ def default_impl() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens, *,
-                    impl: str | None = None, pages_per_block: int = 8, scale=None):
+def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens,
+                    shared_pages=None, shared_len=None, *, impl: str | None = None,
+                    pages_per_block: int = 8, scale=None):
+    """`shared_pages`/`shared_len` name a page-table prefix common to every sequence (see
+    the reference). They change the cost, never the result, so an implementation may
+    ignore them: the page tables still list the shared pages."""
     impl = impl or default_impl()
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_tables, context_lens,
-                                         query_lens, pages_per_block=pages_per_block,
-                                         scale=scale)
+                                         query_lens, shared_pages, shared_len,
+                                         pages_per_block=pages_per_block, scale=scale)
     if impl in ("pallas", "pallas_interpret"):
         return _kernels.paged_attention_pallas(q, k_pages, v_pages, page_tables,
                                                context_lens, query_lens, scale=scale,

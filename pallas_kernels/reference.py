@@ -51,55 +51,88 @@ def paged_attention_reference(
     page_tables,  # [seqs, pages_per_seq] int32, unused entries 0 (the null page)
     context_lens,  # [seqs] int32: keys in the pool for the sequence, this step's included
     query_lens,  # [seqs] int32: valid queries; query i sits at context_len - query_len + i
+    shared_pages=None,  # [pages_per_seq] int32: a page-table prefix every sequence has
+    shared_len=None,  # [] int32: tokens of that prefix (a multiple of page_size), or 0
     *,
     pages_per_block: int = 8,
     scale: float | None = None,
 ):
     """Causal attention of each sequence's new queries over its pages. Returns [seqs, queries,
-    heads, head_dim]; rows past `query_lens` (padding) are zeros."""
+    heads, head_dim]; rows past `query_lens` (padding) are zeros.
+
+    Cascade ("shared prefix") attention: when every sequence's table starts with the same
+    `shared_len / page_size` pages (a system prompt every request carries) and all queries
+    sit after them, pass that prefix. Its keys are then read once for all queries, in one
+    dense matmul, instead of once per sequence; each sequence reads only its own suffix and
+    the two partial softmaxes are merged. The result is the same attention.
+    """
     _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per_block)
     s, nq, h, d = q.shape
-    _, ps, kvh, _ = k_pages.shape
+    num_pages, ps, kvh, _ = k_pages.shape
     g = h // kvh
     scale = d ** -0.5 if scale is None else scale
     blk = pages_per_block * ps
-    acc_dtype = jnp.float32
+    f32 = jnp.float32
+    if shared_len is None:
+        shared_len = jnp.int32(0)
+        shared_pages = jnp.zeros(page_tables.shape[1], jnp.int32)
 
-    qg = (q.astype(acc_dtype) * scale).reshape(s, nq, kvh, g, d)
+    qg = (q.astype(f32) * scale).reshape(s, nq, kvh, g, d)
     q_pos = context_lens[:, None] - query_lens[:, None] + jnp.arange(nq)[None, :]  # [s, nq]
     q_valid = jnp.arange(nq)[None, :] < query_lens[:, None]  # [s, nq]
     num_blocks = (jnp.max(context_lens) + blk - 1) // blk
+    # Whole pages are gathered as flat rows: on XLA:CPU a gather of [page, page_size,
+    # kv_heads, head_dim] slices ran at half the speed of the same bytes as one row a page.
+    # (The reshape stays inside the loop bodies: outside, XLA copied the donated pool.)
 
-    # Gather whole pages as flat rows: on XLA:CPU a gather of [page, page_size, kv_heads,
-    # head_dim] slices ran at half the speed of the same bytes gathered as one row per page.
-    num_pages = k_pages.shape[0]
-
-    def body(j, carry):
+    def own_block(j, carry):
         m, l, acc = carry  # m, l: [s, kvh, g, nq]; acc: [s, kvh, g, nq, d]
         pages = lax.dynamic_slice_in_dim(page_tables, j * pages_per_block, pages_per_block, 1)
-        k = k_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(acc_dtype)
-        v = v_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(acc_dtype)
+        k = k_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(f32)
+        v = v_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(f32)
         scores = jnp.einsum("sqkgd,stkd->skgqt", qg, k)  # [s, kvh, g, nq, blk]
         k_pos = j * blk + jnp.arange(blk)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-        mask = mask[:, None, None]  # [s, 1, 1, nq, blk]
-        scores = jnp.where(mask, scores, _NEG)
-        m_new = jnp.maximum(m, scores.max(-1))
-        p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("skgqt,stkd->skgqd", p, v)
-        return m_new, l, acc
+        mask = ((k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+                & (k_pos >= shared_len)[None, None, :])
+        return _online_update(m, l, acc, scores, mask[:, None, None], v,
+                              "skgqt,stkd->skgqd")
 
-    init = (
-        jnp.full((s, kvh, g, nq), _NEG, acc_dtype),
-        jnp.zeros((s, kvh, g, nq), acc_dtype),
-        jnp.zeros((s, kvh, g, nq, d), acc_dtype),
-    )
-    _, l, acc = lax.fori_loop(0, num_blocks, body, init)
+    def shared_block(j, carry):
+        m, l, acc = carry  # m, l: [kvh, g * s * nq]; acc: [kvh, g * s * nq, d]
+        pages = lax.dynamic_slice_in_dim(shared_pages, j * pages_per_block, pages_per_block)
+        k = k_pages.reshape(num_pages, -1)[pages].reshape(blk, kvh, d).astype(f32)
+        v = v_pages.reshape(num_pages, -1)[pages].reshape(blk, kvh, d).astype(f32)
+        scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, blk]
+        k_pos = j * blk + jnp.arange(blk)
+        mask = (k_pos < shared_len)[None, None, :] & all_valid[None, :, None]
+        return _online_update(m, l, acc, scores, mask, v, "kqt,tkd->kqd")
+
+    # Shared prefix: every query of every sequence against the same keys.
+    q_all = qg.transpose(2, 3, 0, 1, 4).reshape(kvh, g * s * nq, d)
+    all_valid = jnp.broadcast_to(q_valid[None], (g, s, nq)).reshape(g * s * nq)
+    rows = g * s * nq
+    m1, l1, acc1 = lax.fori_loop(
+        0, (shared_len + blk - 1) // blk, shared_block,
+        (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
+         jnp.zeros((kvh, rows, d), f32)))
+    m1 = m1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
+    l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
+    acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
+
+    # Each sequence's own pages, from the block holding the end of the shared prefix.
+    m, l, acc = lax.fori_loop(shared_len // blk, num_blocks, own_block, (m1, l1, acc1))
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, h, d)
     return out.astype(q.dtype)
+
+
+def _online_update(m, l, acc, scores, mask, v, pv_spec):
+    """One block of the online softmax: fold `scores` (masked) and values into (m, l, acc)."""
+    scores = jnp.where(mask, scores, _NEG)
+    m_new = jnp.maximum(m, scores.max(-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum(pv_spec, p, v)
 
 
 def dense_attention_reference(q, k, v, q_positions, k_len):

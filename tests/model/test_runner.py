@@ -140,3 +140,30 @@ def test_logprobs_are_log_softmax(runner):
     assert tok.token_id == int(np.argmax(logits))
     assert tok.logprob == pytest.approx(lp[tok.token_id], abs=1e-4)
     assert [t.token_id for t in tok.top_logprobs] == list(np.argsort(-lp)[:5])
+
+
+def test_shared_prefix_pages_give_the_same_logits_as_private_copies(runner):
+    """Cascade attention kicks in when decode rows share page-table prefixes (a system
+    prompt); the numbers must equal those of a sequence holding its own copy."""
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, 300, 32).tolist()  # 4 full pages of 8
+    shared = [60, 61, 62, 63]
+    runner.step(StepPlan([chunk(9, system, 0, shared, sample=False)]))
+    tails = [rng.integers(3, 300, n).tolist() for n in (5, 11)]
+    tables = [shared + [70, 71], shared + [72, 73]]
+    private = [[80, 81, 82, 83, 84, 85], [86, 87, 88, 89, 90, 91]]
+    for s in range(2):
+        runner.step(StepPlan([chunk(s, tails[s], 32, tables[s], sample=False)]))
+        runner.step(StepPlan([chunk(s + 2, system + tails[s], 0, private[s], sample=False)]))
+    last = [t[-1] for t in tails]
+    pos = [32 + len(t) for t in tails]
+    for _ in range(3):
+        a = runner.step(StepPlan([chunk(s, [last[s]], pos[s], tables[s]) for s in range(2)]),
+                        return_logits=True)  # rows share 4 pages: cascade attention
+        b = runner.step(StepPlan([chunk(s + 2, [last[s]], pos[s], private[s])
+                                  for s in range(2)]), return_logits=True)
+        for s in range(2):
+            np.testing.assert_allclose(a.logits[s], b.logits[s + 2], atol=1e-4)
+            assert a.sampled[s].token_id == b.sampled[s + 2].token_id
+        last = [a.sampled[s].token_id for s in range(2)]
+        pos = [p + 1 for p in pos]
