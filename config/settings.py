@@ -32,7 +32,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache: bool = True
     share_prefix_across_tenants: bool = False
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
+    # A step that carries prefill beside running decodes may take at most
+    # max(itl_target_s, decode-only step time * (1 + prefill_slowdown)); prefill still gets
+    # min_prefill_tokens a step, so long prompts move. See scheduler/step_cost.py.
+    adaptive_prefill: bool = True
     itl_target_s: float = 0.05
+    prefill_slowdown: float = 0.4
+    min_prefill_tokens: int = 16
 
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

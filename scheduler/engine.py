@@ -262,6 +262,10 @@ class Engine:
             return
         t1 = self.clock()
         self._failures = 0
+        if result.device_seconds > 0:
+            num_decode = batch.num_decode
+            self.scheduler.cost.observe(num_decode, batch.plan.num_tokens - num_decode,
+                                        result.device_seconds)
         self._record(batch, t0, t1, result.real_tokens or batch.plan.num_tokens,
                      result.padded_tokens or batch.plan.num_tokens)
         self._generation_tokens += len(sampled)

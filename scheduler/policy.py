@@ -40,6 +40,7 @@ from .fairness import FairQueue
 from .pages import PageAllocator
 from .protocol import SampledToken, SeqChunk, StepLimits, StepPlan, StepResult
 from .request import Phase, Sequence
+from .step_cost import StepCostModel
 
 
 @dataclass(slots=True)
@@ -78,6 +79,11 @@ class Scheduler:
             cap = min(cap, config.static_batch_size)
         # Every running sequence must be able to decode in the same step: no starvation.
         self.max_running = max(1, cap)
+        # Prefill beside decodes is capped by measured step cost (the engine feeds it).
+        self.cost = StepCostModel(itl_target_s=config.itl_target_s,
+                                  prefill_slowdown=config.prefill_slowdown,
+                                  min_prefill_tokens=config.min_prefill_tokens)
+        self.adaptive_prefill = config.adaptive_prefill and not self.static
 
     # -- the queue's side ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -106,6 +112,10 @@ class Scheduler:
         batch.num_decode = num_decode
 
         budget = min(cfg.max_step_tokens - num_decode, lim.max_prefill_tokens)
+        if self.adaptive_prefill:
+            cap = self.cost.prefill_budget(num_decode)
+            if cap is not None:
+                budget = min(budget, cap)
         slots = lim.max_prefill_seqs
         for seq in order:
             if budget <= 0 or slots <= 0:

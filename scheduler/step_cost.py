@@ -1,0 +1,64 @@
+"""How long steps take, learned online, so prefill never slows decoding past a bound.
+
+A step that carries prefill tokens beside the running decodes makes every decoding
+stream's next token late by the prefill's cost. The policy therefore caps the prefill
+tokens of a step that also decodes: the step may take at most
+``max(itl_target_s, decode_time * (1 + prefill_slowdown))``, where `decode_time` is what a
+decode-only step of that size takes. Prefill always gets at least `min_prefill_tokens`, so
+a long prompt keeps moving even when decoding alone already misses the target.
+
+The model is two running averages fed with measured step times: decode-only step time
+by number of decoding sequences, and the marginal cost of one prefill token. Until a
+step with prefill has been measured, the budget is the floor (and with no decode-only
+step measured yet, there is no limit). Pure Python, no clocks of
+its own: the engine reports each step's duration.
+"""
+
+from __future__ import annotations
+
+_ALPHA = 0.2  # weight of the newest measurement in the running averages
+
+
+class StepCostModel:
+    def __init__(self, *, itl_target_s: float, prefill_slowdown: float,
+                 min_prefill_tokens: int) -> None:
+        self.itl_target_s = itl_target_s
+        self.prefill_slowdown = prefill_slowdown
+        self.min_prefill_tokens = min_prefill_tokens
+        self._decode_s: dict[int, float] = {}  # decoding sequences -> decode-only step time
+        self.prefill_token_s: float | None = None  # marginal seconds per prefill token
+
+    def decode_time(self, num_decode: int) -> float | None:
+        if num_decode in self._decode_s:
+            return self._decode_s[num_decode]
+        if not self._decode_s:
+            return None
+        # Nearest measured size at or above (steps pad up to buckets), else the largest.
+        above = [n for n in self._decode_s if n >= num_decode]
+        return self._decode_s[min(above) if above else max(self._decode_s)]
+
+    def observe(self, num_decode: int, prefill_tokens: int, seconds: float) -> None:
+        if prefill_tokens == 0:
+            if num_decode:
+                old = self._decode_s.get(num_decode)
+                self._decode_s[num_decode] = seconds if old is None else (
+                    old + _ALPHA * (seconds - old))
+            return
+        base = self.decode_time(num_decode) if num_decode else 0.0
+        if base is None:
+            return
+        per_token = max(seconds - base, 0.0) / prefill_tokens
+        old = self.prefill_token_s
+        self.prefill_token_s = per_token if old is None else old + _ALPHA * (per_token - old)
+
+    def prefill_budget(self, num_decode: int) -> int | None:
+        """Prefill tokens a step with `num_decode` decodes may carry; None: no limit."""
+        if num_decode == 0:
+            return None
+        base = self.decode_time(num_decode)
+        if base is None:
+            return None  # nothing measured (a runner that reports no times): no limit
+        if not self.prefill_token_s:
+            return self.min_prefill_tokens
+        allowed = max(self.itl_target_s, base * (1.0 + self.prefill_slowdown)) - base
+        return max(self.min_prefill_tokens, int(allowed / self.prefill_token_s + 1e-6))
