@@ -39,6 +39,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     itl_target_s: float = 0.05
     prefill_slowdown: float = 0.4
     min_prefill_tokens: int = 16
+    short_prefill_tokens: int = 256  # a prompt with at most this much left is prefilled whole
 
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

@@ -90,8 +90,11 @@ class ModelRunner:
                 raise ValueError(f"prefill bucket {b} must be a multiple of {block_q=}")
         self.max_prefill_seqs = max_prefill_seqs
         self.pages_per_block = pages_per_block
+        # Page-table width: a multiple of the attention's block sizes (the reference walks
+        # shared prefixes 64 pages at a time).
         pages_per_seq = math.ceil(self.max_context / page_size)
-        self.pages_per_seq = math.ceil(pages_per_seq / pages_per_block) * pages_per_block
+        align = math.lcm(pages_per_block, 64)
+        self.pages_per_seq = math.ceil(pages_per_seq / align) * align
         from pallas_kernels import default_impl
 
         self.attention_impl = attention_impl or default_impl()

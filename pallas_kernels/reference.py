@@ -43,7 +43,8 @@ def _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per
         )
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_block", "scale"))
+@functools.partial(jax.jit, static_argnames=("pages_per_block", "shared_pages_per_block",
+                                             "scale"))
 def paged_attention_reference(
     q,  # [seqs, queries, heads, head_dim]
     k_pages,  # [num_pages, page_size, kv_heads, head_dim]
@@ -55,6 +56,7 @@ def paged_attention_reference(
     shared_len=None,  # [] int32: tokens of that prefix (a multiple of page_size), or 0
     *,
     pages_per_block: int = 8,
+    shared_pages_per_block: int = 64,
     scale: float | None = None,
 ):
     """Causal attention of each sequence's new queries over its pages. Returns [seqs, queries,
@@ -64,7 +66,9 @@ def paged_attention_reference(
     `shared_len / page_size` pages (a system prompt every request carries) and all queries
     sit after them, pass that prefix. Its keys are then read once for all queries, in one
     dense matmul, instead of once per sequence; each sequence reads only its own suffix and
-    the two partial softmaxes are merged. The result is the same attention.
+    the two partial softmaxes are merged. The result is the same attention. The shared
+    prefix is walked in big blocks (`shared_pages_per_block`): each is one dense matmul,
+    and every loop iteration costs fixed overhead on XLA:CPU.
     """
     _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per_block)
     s, nq, h, d = q.shape
@@ -97,13 +101,16 @@ def paged_attention_reference(
         return _online_update(m, l, acc, scores, mask[:, None, None], v,
                               "skgqt,stkd->skgqd")
 
+    spb = min(shared_pages_per_block, page_tables.shape[1])
+    sblk = spb * ps
+
     def shared_block(j, carry):
         m, l, acc = carry  # m, l: [kvh, g * s * nq]; acc: [kvh, g * s * nq, d]
-        pages = lax.dynamic_slice_in_dim(shared_pages, j * pages_per_block, pages_per_block)
-        k = k_pages.reshape(num_pages, -1)[pages].reshape(blk, kvh, d).astype(f32)
-        v = v_pages.reshape(num_pages, -1)[pages].reshape(blk, kvh, d).astype(f32)
-        scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, blk]
-        k_pos = j * blk + jnp.arange(blk)
+        pages = lax.dynamic_slice_in_dim(shared_pages, j * spb, spb)
+        k = k_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
+        v = v_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
+        scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, sblk]
+        k_pos = j * sblk + jnp.arange(sblk)
         mask = (k_pos < shared_len)[None, None, :] & all_valid[None, :, None]
         return _online_update(m, l, acc, scores, mask, v, "kqt,tkd->kqd")
 
@@ -112,7 +119,7 @@ def paged_attention_reference(
     all_valid = jnp.broadcast_to(q_valid[None], (g, s, nq)).reshape(g * s * nq)
     rows = g * s * nq
     m1, l1, acc1 = lax.fori_loop(
-        0, (shared_len + blk - 1) // blk, shared_block,
+        0, (shared_len + sblk - 1) // sblk, shared_block,
         (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
          jnp.zeros((kvh, rows, d), f32)))
     m1 = m1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)

@@ -112,17 +112,27 @@ class Scheduler:
         batch.num_decode = num_decode
 
         budget = min(cfg.max_step_tokens - num_decode, lim.max_prefill_tokens)
+        # Beside decodes, a long prompt's chunk is capped by the measured step cost (so the
+        # streams keep their pace); a short prompt is prefilled whole, for its TTFT.
+        soft = budget
         if self.adaptive_prefill:
             cap = self.cost.prefill_budget(num_decode)
             if cap is not None:
-                budget = min(budget, cap)
+                soft = min(budget, cap)
+        short = cfg.short_prefill_tokens
+
+        def limit(seq: Sequence) -> int:
+            rest = seq.num_tokens - seq.num_computed_tokens
+            return budget if rest <= short else min(budget, soft)
+
         slots = lim.max_prefill_seqs
         for seq in order:
             if budget <= 0 or slots <= 0:
                 break
             if seq.phase is Phase.PREFILL:
-                n = self._schedule_prefill(seq, batch, budget)
+                n = self._schedule_prefill(seq, batch, limit(seq))
                 budget -= n
+                soft -= n
                 slots -= n > 0
 
         if not self.static:
@@ -137,9 +147,12 @@ class Scheduler:
                     continue
                 if not admitted:
                     break
-                n = self._schedule_prefill(seq, batch, budget)
+                n = self._schedule_prefill(seq, batch, limit(seq))
                 budget -= n
+                soft -= n
                 slots -= n > 0
+                if n == 0:
+                    break  # admitted; its prefill starts next step
 
         if not batch.seqs and not batch.plan.copies:
             return None

@@ -31,5 +31,5 @@ def test_shared_prefix_matches_plain(nq, shared_pages, ppb):
     shared = np.zeros(pps, np.int32)
     shared[:shared_pages] = common
     cascade = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
-        shared_pages * ps), pages_per_block=ppb)
+        shared_pages * ps), pages_per_block=ppb, shared_pages_per_block=ppb)
     np.testing.assert_allclose(np.asarray(cascade), np.asarray(plain), atol=2e-6)

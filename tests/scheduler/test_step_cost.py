@@ -48,3 +48,34 @@ def test_unmeasured_sizes_use_the_nearest_larger_measurement():
     assert m.decode_time(8) == 0.060
     assert m.decode_time(32) == 0.060
     assert m.decode_time(2) == 0.030
+
+
+def test_policy_caps_long_prompts_beside_decodes_but_prefills_short_ones_whole():
+    from config.settings import SchedulerConfig
+
+    from .fake_runner import FakeRunner
+    from .sim import Sim
+    from scheduler.protocol import StepLimits
+
+    limits = StepLimits(max_decode_seqs=12, max_prefill_seqs=2, max_prefill_chunk=64,
+                        max_prefill_tokens=128)
+    cfg = SchedulerConfig(max_step_tokens=512, short_prefill_tokens=40, min_prefill_tokens=8)
+    sim = Sim(FakeRunner(limits=limits, num_pages=1024), cfg)
+    sim.submit(range(10, 20), max_tokens=50)  # one decoding stream
+    sim.step()
+    cost = sim.sched.cost
+    cost.observe(1, 0, 0.030)  # measured: decode-only 30 ms, 1 ms a prefill token
+    cost.observe(1, 10, 0.040)
+    cost.itl_target_s = 0.0
+    budget = cost.prefill_budget(1)  # 30 ms * 0.4 / 1 ms = 12 tokens
+    assert budget == 12
+    long = sim.submit(range(100, 400))
+    short = sim.submit(range(500, 530))
+    for _ in range(3):
+        batch = sim.step()
+        sizes = {s.seq_id: len(c.token_ids) for s, c in zip(batch.seqs, batch.plan.chunks)}
+        assert batch.num_decode >= 1
+        assert sizes.get(long.seq_id, 0) <= budget
+    first = [b for b in sim.batches if any(s is short for s in b.seqs)][0]
+    chunk = [c for s, c in zip(first.seqs, first.plan.chunks) if s is short][0]
+    assert len(chunk.token_ids) == 30  # the short prompt went in whole
