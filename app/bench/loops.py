@@ -74,15 +74,17 @@ class Shooter:
 
 async def closed_loop(shooter: Shooter, spec_of: SpecOf, concurrency: int, *,
                       requests: int | None = None, duration_s: float | None = None,
-                      start_index: int = 0) -> None:
-    """``concurrency`` workers, each sending its next request when the last one ends."""
+                      start_index: int = 0, ramp_up_s: float = 0.0) -> None:
+    """``concurrency`` workers, each sending its next request when the last one ends.
+    With `ramp_up_s`, worker k starts k * ramp_up_s / concurrency seconds in."""
     if requests is None and duration_s is None:
         raise ValueError("a closed loop needs a request count or a duration")
     indices = itertools.count(start_index)
     stop_index = start_index + requests if requests is not None else math.inf
     deadline = trio.current_time() + (duration_s if duration_s is not None else math.inf)
 
-    async def worker() -> None:
+    async def worker(k: int) -> None:
+        await trio.sleep(k * ramp_up_s / concurrency)
         while trio.current_time() < deadline:
             i = next(indices)
             if i >= stop_index:
@@ -97,8 +99,8 @@ async def closed_loop(shooter: Shooter, spec_of: SpecOf, concurrency: int, *,
                 await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
 
     async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
+        for k in range(concurrency):
+            nursery.start_soon(worker, k)
 
 
 async def open_loop(shooter: Shooter, spec_of: SpecOf, rate: float, *,

@@ -23,6 +23,7 @@ class BenchConfig:
     workload: str = "shared-prefix"
     seed: int = 0
     concurrency: int = 16
+    ramp_up_s: float = 0.0  # closed loop: stream k starts at k * ramp_up_s / concurrency
     rate: float | None = None  # requests/s: an open loop instead of a closed one
     duration_s: float | None = None
     requests: int | None = None
@@ -128,6 +129,9 @@ def bench_parser() -> argparse.ArgumentParser:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=16,
                       help="closed loop: streams in flight (default 16)")
+    a("--ramp-up", dest="ramp_up_s", type=float, default=0.0, metavar="S",
+      help="closed loop: start the streams evenly over S seconds instead of all at "
+           "once, so TTFT reflects a steady state rather than one burst (default 0)")
     load.add_argument("--rate", type=float,
                       help="open loop: Poisson arrivals a second (overload: skips measuring)")
     _common(p)

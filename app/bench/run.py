@@ -150,7 +150,7 @@ async def _steady(ctx: _Ctx) -> Phase:
             else:
                 await closed_loop(shooter, ctx.workload.request, cfg.concurrency,
                                   requests=cfg.requests, duration_s=cfg.duration_s,
-                                  start_index=cfg.start_index)
+                                  start_index=cfg.start_index, ramp_up_s=cfg.ramp_up_s)
         wall = shooter.now()
     head = {"load": _load(cfg)}
     return shooter.records, head, summarize(shooter.records, wall_s=wall,
@@ -222,4 +222,4 @@ async def _overload(ctx: _Ctx) -> Phase:
 def _load(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.rate:
         return {"mode": "open", "rate_rps": cfg.rate, "max_inflight": cfg.max_inflight}
-    return {"mode": "closed", "concurrency": cfg.concurrency}
+    return {"mode": "closed", "concurrency": cfg.concurrency, "ramp_up_s": cfg.ramp_up_s}

@@ -284,3 +284,25 @@ async def test_against_sluice_itself():
     assert s["tokens"]["output"] == 48 and s["itl_s"]["count"] > 0
     assert s["server"] is not None and s["server"]["generation_tokens"] == 48
     assert s["server"]["prefix_cache_query_tokens"] > 0
+
+
+async def test_closed_loop_ramp_up_staggers_stream_starts(autojump_clock):
+    """--ramp-up: stream k starts k * ramp / concurrency seconds in (steady-state TTFT)."""
+    import trio
+
+    from app.bench.loops import closed_loop
+
+    starts: list[float] = []
+
+    class FakeShooter:
+        async def fire(self, spec, index):
+            starts.append(trio.current_time())
+            await trio.sleep(100)
+
+            class Rec:
+                status = "ok"
+            return Rec()
+
+    t0 = trio.current_time()
+    await closed_loop(FakeShooter(), lambda i: i, 4, requests=4, ramp_up_s=8.0)
+    assert [round(t - t0, 6) for t in starts] == [0.0, 2.0, 4.0, 6.0]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The serving benchmarks of docs/benchmarks.md, on this machine's CPU with the embedded
+# model (f32). Spawns the servers itself; everything stays on 127.0.0.1. ~30 min on 2 cores.
+#   benchmarks/cpu_suite.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-out/cpu-$(date +%Y%m%d-%H%M)}
+S=.venv/bin/sluice
+mkdir -p "$OUT"
+
+# 1. Continuous vs static vs no prefix cache on shared-prefix, over concurrency.
+$S bench-sweep --spawn "continuous:" --spawn "static:--scheduling static" \
+  --spawn "no-prefix-cache:--no-prefix-cache" --workload shared-prefix \
+  --concurrencies "${CONCURRENCIES:-1,4,16}" --requests-per-stream 2 --no-progress \
+  --out "$OUT/sweep" | tail -1 > "$OUT/sweep.json"
+
+# 2. Long-interference and overload against one continuous server.
+PORT=18777
+$S serve --port $PORT > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill -INT $SERVER 2>/dev/null || true' EXIT
+until curl -sf http://127.0.0.1:$PORT/health > /dev/null; do sleep 2; done
+$S bench --url http://127.0.0.1:$PORT --workload shared-prefix --concurrency 16 \
+  --requests 48 --warmup-requests 4 --no-progress --out "$OUT/shared-prefix-c16" \
+  | tail -1 > "$OUT/shared-prefix-c16.json"
+$S bench --url http://127.0.0.1:$PORT --workload long-interference --no-progress \
+  --out "$OUT/long-interference" | tail -1 > "$OUT/long-interference.json"
+$S bench --url http://127.0.0.1:$PORT --workload overload --overload-factor 5 --duration 40 \
+  --no-progress --out "$OUT/overload" | tail -1 > "$OUT/overload.json"
+echo "results in $OUT"
