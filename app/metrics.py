@@ -91,6 +91,9 @@ class _EngineCollector:
         prompt = counter("prompt_tokens", "Prompt tokens processed.")
         gen = counter("generation_tokens", "Tokens generated.")
         rejected = counter("requests_rejected", "Requests refused, by reason.", ("reason",))
+        real = counter("step_real_tokens", "Tokens computed in steps that belonged to requests.")
+        padded = counter("step_padded_tokens",
+                         "Tokens computed in steps, bucket padding included.")
 
         router = self.metrics.router
         reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
@@ -112,10 +115,12 @@ class _EngineCollector:
             preempt.add_metric(lv, sum(s.preemptions for s in stats))
             prompt.add_metric(lv, sum(s.prompt_tokens for s in stats))
             gen.add_metric(lv, sum(s.generation_tokens for s in stats))
+            real.add_metric(lv, sum(s.real_tokens for s in stats))
+            padded.add_metric(lv, sum(s.padded_tokens for s in stats))
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
         for (model, pool_name, reason), n in sorted(reasons.items()):
             rejected.add_metric([model, pool_name, reason], n)
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
-                    hits, preempt, prompt, gen, rejected)
+                    hits, preempt, prompt, gen, rejected, real, padded)

@@ -131,6 +131,12 @@ class Engine:
             raise self._reject("queue_full", self._retry_after())
         if sched.waiting.num_tokens + len(req.prompt_ids) > cfg.max_waiting_tokens:
             raise self._reject("queue_tokens", self._retry_after())
+        wait = None if req.batch else self._expected_wait()
+        if wait is not None and wait > cfg.max_queue_wait_s:
+            # Refuse at the door rather than queue a request that would be served late:
+            # the client hears 429 in microseconds and can go elsewhere.
+            raise self._reject("queue_wait", wait, f"expected queue wait {wait:.1f}s exceeds "
+                                                   f"{cfg.max_queue_wait_s:g}s; retry later")
 
         now = self.clock()
         request_id = req.request_id or uuid.uuid4().hex
@@ -451,6 +457,22 @@ class Engine:
             return 1.0
         rate = len(times) / (now - times[0])
         return min(60.0, max(0.1, (self.scheduler.num_waiting + 1) / rate))
+
+    def _expected_wait(self) -> float | None:
+        """Seconds a new request would likely wait before it runs: the requests ahead of
+        it beyond the free running slots, over the recent completion rate. None while
+        nothing has finished recently (no estimate; the count bound still applies)."""
+        sched = self.scheduler
+        ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
+        if ahead <= 0:
+            return 0.0
+        now = self.clock()
+        times = self._finish_times
+        while times and now - times[0] > 60.0:
+            times.popleft()
+        if len(times) < 2 or now <= times[0]:
+            return None
+        return ahead * (now - times[0]) / len(times)
 
     def _reject(self, reason: str, retry_after_s: float, message: str = "") -> Overloaded:
         self._reject_count(reason)

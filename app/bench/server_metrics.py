@@ -120,6 +120,10 @@ class Sampler:
         rejected = {k: v - self.first.rejected.get(k, 0.0)
                     for k, v in sorted(self.last.rejected.items())}
         kv = self.kv_usage
+        busy_run = (d("engine_busy_seconds") / self.wall_s / busy_series
+                    if busy_series and self.wall_s > 0 else None)
+        real, padded = d("step_real_tokens"), d("step_padded_tokens")
+        real_fraction = real / padded if padded else None
         return {
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "prefix_cache_hit_tokens": hits,
@@ -127,8 +131,11 @@ class Sampler:
             "kv_cache_usage": {"mean": sum(kv) / len(kv) if kv else None,
                                "max": max(kv) if kv else None, "samples": len(kv)},
             "engine_busy_fraction": (sum(busy_gauge) / len(busy_gauge)) if busy_gauge else None,
-            "engine_busy_fraction_run": (d("engine_busy_seconds") / self.wall_s / busy_series
-                                         if busy_series and self.wall_s > 0 else None),
+            "engine_busy_fraction_run": busy_run,
+            # Useful-busy: time in steps x the share of computed tokens that were real.
+            "real_token_fraction": real_fraction,
+            "useful_busy_fraction": (busy_run * real_fraction
+                                     if busy_run is not None and real_fraction else None),
             "preemptions": d("num_preemptions"),
             "prompt_tokens": d("prompt_tokens"),
             "generation_tokens": d("generation_tokens"),

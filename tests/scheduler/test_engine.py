@@ -356,3 +356,23 @@ async def test_logprobs_and_stats(nursery):
     assert s.real_tokens == sum(rec.real_tokens for rec in eng.step_records)
     assert s.padded_tokens >= s.real_tokens and s.busy_s >= 0
     assert s.running == s.waiting == 0 and s.kv_pages_in_use == 0 and s.kv_pages_cached > 0
+
+
+async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
+    """Under overload the queue does not grow into requests that would be served late:
+    once completions give a rate, a submit whose wait would exceed max_queue_wait_s is
+    refused at once (429 upstream) with that wait as Retry-After."""
+    clock = FakeClock()
+    eng = Engine(FakeRunner(limits=LIMITS), FakeDetokenizer(),
+                 SchedulerConfig(max_running=1, max_queue_wait_s=5.0), clock=clock)
+    eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=4))  # takes the slot
+    for _ in range(3):  # one request finished every 2 s
+        eng._finish_times.append(clock())
+        clock.advance(2.0)
+    eng.submit(GenerateRequest(prompt_ids=prompt(4, 2), max_tokens=4))  # 1 ahead: ~2 s
+    eng.submit(GenerateRequest(prompt_ids=prompt(4, 3), max_tokens=4))  # 2 ahead: ~4 s
+    with pytest.raises(Overloaded) as e:
+        eng.submit(GenerateRequest(prompt_ids=prompt(4, 4), max_tokens=4))  # ~6 s
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s > 5.0
+    batch = eng.submit(GenerateRequest(prompt_ids=prompt(4, 5), max_tokens=4, batch=True))
+    assert batch.request_id  # batch jobs wait for idle capacity instead
