@@ -91,13 +91,13 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_bytes: Positive = 512 * 1024 * 1024
     # Compiled step shapes, warmed up at start: steady state never compiles.
     decode_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
-        default_factory=lambda: [1, 4, 16]
+        default_factory=lambda: [1, 4, 8, 16]
     )
     # Each [seqs, tokens]: a prefill shape carrying up to `seqs` prompt chunks and up to
     # `tokens` tokens in all.
     prefill_buckets: Annotated[
         list[tuple[Positive, Positive]], msgspec.Meta(min_length=1)
-    ] = msgspec.field(default_factory=lambda: [(4, 64), (4, 256)])
+    ] = msgspec.field(default_factory=lambda: [(4, 16), (4, 64), (4, 128), (4, 256)])
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
     attention: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()
