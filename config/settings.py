@@ -31,7 +31,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     queue_deadline_s: float = 30.0  # shed a request that waited longer than this
     # Refuse (429) at submit when the expected queue wait exceeds this: queued requests
     # then start in time instead of being shed late.
-    max_queue_wait_s: float = 5.0
+    max_queue_wait_s: float = 1.0
     prefix_cache: bool = True
     share_prefix_across_tenants: bool = False
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes

@@ -459,20 +459,34 @@ class Engine:
         return min(60.0, max(0.1, (self.scheduler.num_waiting + 1) / rate))
 
     def _expected_wait(self) -> float | None:
-        """Seconds a new request would likely wait before it runs: the requests ahead of
-        it beyond the free running slots, over the recent completion rate. None while
-        nothing has finished recently (no estimate; the count bound still applies)."""
+        """Seconds before a new request would likely start producing tokens, counting the
+        work ahead of it: requests waiting beyond the free running slots (over the recent
+        completion rate), and the prompt tokens still to prefill ahead of it (waiting
+        prompts discounted by the prefix-cache hit rate, running prefills' remainders)
+        at the measured cost of a prefill token. Its own prompt is not counted: a long
+        prompt on an idle replica is served, however long it takes. None when there is
+        no estimate yet (the count bound still applies)."""
         sched = self.scheduler
+        wait: float | None = None
         ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
         if ahead <= 0:
-            return 0.0
-        now = self.clock()
-        times = self._finish_times
-        while times and now - times[0] > 60.0:
-            times.popleft()
-        if len(times) < 2 or now <= times[0]:
-            return None
-        return ahead * (now - times[0]) / len(times)
+            wait = 0.0
+        else:
+            now = self.clock()
+            times = self._finish_times
+            while times and now - times[0] > 60.0:
+                times.popleft()
+            if len(times) >= 2 and now > times[0]:
+                wait = ahead * (now - times[0]) / len(times)
+        per_token = sched.cost.prefill_token_s
+        if per_token:
+            pages = sched.pages
+            miss = 1.0 - pages.hit_tokens / pages.query_tokens if pages.query_tokens else 1.0
+            pending = sched.waiting.num_tokens * miss + sum(
+                seq.num_tokens - seq.num_computed_tokens
+                for seq in sched.running.values() if seq.phase is Phase.PREFILL)
+            wait = (wait or 0.0) + pending * per_token
+        return wait
 
     def _reject(self, reason: str, retry_after_s: float, message: str = "") -> Overloaded:
         self._reject_count(reason)

@@ -376,3 +376,19 @@ async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
     assert e.value.reason == "queue_wait" and e.value.retry_after_s > 5.0
     batch = eng.submit(GenerateRequest(prompt_ids=prompt(4, 5), max_tokens=4, batch=True))
     assert batch.request_id  # batch jobs wait for idle capacity instead
+
+
+async def test_prefill_work_ahead_counts_toward_the_expected_wait():
+    """Requests admitted in a burst would each wait for the others' prefills: the wait
+    estimate adds the prompt tokens ahead (discounted by cache hits) at the measured cost
+    of a prefill token. A request's own prompt never counts against it."""
+    eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
+                 SchedulerConfig(max_running=8, max_queue_wait_s=1.0))
+    eng.scheduler.cost.prefill_token_s = 0.01  # 10 ms a prompt token
+    eng.submit(GenerateRequest(prompt_ids=prompt(60), max_tokens=4))  # own prompt: ok
+    eng.submit(GenerateRequest(prompt_ids=prompt(50, 2), max_tokens=4))  # 0.6 s ahead: ok
+    with pytest.raises(Overloaded) as e:  # 1.1 s of prefill ahead
+        eng.submit(GenerateRequest(prompt_ids=prompt(5, 3), max_tokens=4))
+    assert e.value.reason == "queue_wait"
+    assert e.value.retry_after_s == pytest.approx(1.1)
+    assert eng.stats().waiting == 2
