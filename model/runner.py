@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler.protocol import (SampledToken, StepLimits, StepPlan, StepResult,
-                                TokenLogprob)
+from scheduler.protocol import StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .config import ModelConfig
@@ -370,49 +369,6 @@ class ModelRunner:
         else:
             hist = self.max_context if any(c.sampling.needs_penalties for c in rows) else 1
             packed = self._samplers[("full", n_rows, hist)](
-                logits, self._sampling_batch(rows, n_rows, hist))
-        packed = np.asarray(packed)  # the one device-to-host copy of the step
-        out = {}
-        for r, c in enumerate(rows):
-            sp = c.sampling
-            tok = SampledToken(token_id=int(packed[r, 0]))
-            if sp.logprobs or sp.top_logprobs:
-                tok.logprob = float(packed[r, 1])
-                k = min(sp.top_logprobs, sampling.TOP_LOGPROBS)
-                base = 2
-                tok.top_logprobs = [
-                    TokenLogprob(int(packed[r, base + j]),
-                                 float(packed[r, base + sampling.TOP_LOGPROBS + j]))
-                    for j in range(k)]
-            out[c.seq_id] = tok
-        return out
-
-    def _sampling_batch(self, rows: list, n: int, hist: int) -> sampling.SamplingBatch:
-        temp = np.zeros(n, np.float32)
-        top_p = np.ones(n, np.float32)
-        top_k = np.zeros(n, np.int32)
-        min_p = np.zeros(n, np.float32)
-        seed = np.zeros(n, np.uint32)
-        step = np.zeros(n, np.int32)
-        pres = np.zeros(n, np.float32)
-        freq = np.zeros(n, np.float32)
-        rep = np.ones(n, np.float32)
-        gen = np.full((n, hist), -1, np.int32)
-        prm = np.full((n, hist), -1, np.int32)
-        for r, c in enumerate(rows):
-            sp = c.sampling
-            temp[r], top_p[r], top_k[r], min_p[r] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
-            seed[r] = (sp.seed if sp.seed is not None
-                       else self._rng.integers(0, 2**32, dtype=np.uint64)) & 0xFFFFFFFF
-            step[r] = c.num_generated
-            pres[r], freq[r], rep[r] = (sp.presence_penalty, sp.frequency_penalty,
-                                        sp.repetition_penalty)
-            if hist > 1 and sp.needs_penalties:
-                g = list(c.penalty_token_ids)[-hist:]
-                p = list(c.prompt_token_ids)[-hist:]
-                gen[r, :len(g)] = g
-                prm[r, :len(p)] = p
-        return sampling.SamplingBatch(temperature=temp, top_p=top_p, top_k=top_k,
-                                      min_p=min_p, seed=seed, step=step, presence=pres,
-                                      frequency=freq, repetition=rep, generated_ids=gen,
-                                      prompt_ids=prm)
+                logits, sampling.sampling_batch(rows, n_rows, hist, self._rng))
+        # The one device-to-host copy of the step.
+        return sampling.unpack(np.asarray(packed), rows)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+from scheduler.protocol import SampledToken, TokenLogprob
 
 TOP_LOGPROBS = 20
 PACK_WIDTH = 2 + 2 * TOP_LOGPROBS  # token, logprob, top ids, top logprobs
@@ -95,3 +98,54 @@ def sample_full(logits, sb: SamplingBatch):
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     tokens = jnp.where(sb.temperature > 0, sampled, greedy_tok)
     return _pack(tokens, logprobs)
+
+
+# ---- host side: building a SamplingBatch from the plan, reading the packed result ---------
+
+
+def sampling_batch(rows: list, n: int, hist: int, rng: np.random.Generator) -> SamplingBatch:
+    """Per-row parameters for the `rows` chunks that sample, padded to `n` rows. `hist` is
+    the width of the token-history arrays (1 when no row asks for penalties)."""
+    temp = np.zeros(n, np.float32)
+    top_p = np.ones(n, np.float32)
+    top_k = np.zeros(n, np.int32)
+    min_p = np.zeros(n, np.float32)
+    seed = np.zeros(n, np.uint32)
+    step = np.zeros(n, np.int32)
+    pres = np.zeros(n, np.float32)
+    freq = np.zeros(n, np.float32)
+    rep = np.ones(n, np.float32)
+    gen = np.full((n, hist), -1, np.int32)
+    prm = np.full((n, hist), -1, np.int32)
+    for r, c in enumerate(rows):
+        sp = c.sampling
+        temp[r], top_p[r], top_k[r], min_p[r] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+        # Unseeded requests draw a fresh seed each step; seeded ones are reproducible.
+        seed[r] = (sp.seed if sp.seed is not None
+                   else int(rng.integers(0, 2**32, dtype=np.uint64))) & 0xFFFFFFFF
+        step[r] = c.num_generated
+        pres[r], freq[r], rep[r] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+        if hist > 1 and sp.needs_penalties:
+            g = list(c.penalty_token_ids)[-hist:]
+            p = list(c.prompt_token_ids)[-hist:]
+            gen[r, :len(g)] = g
+            prm[r, :len(p)] = p
+    return SamplingBatch(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                         step=step, presence=pres, frequency=freq, repetition=rep,
+                         generated_ids=gen, prompt_ids=prm)
+
+
+def unpack(packed: np.ndarray, rows: list) -> dict[int, SampledToken]:
+    """The packed [rows, PACK_WIDTH] result -> seq_id -> SampledToken (logprobs if asked)."""
+    out = {}
+    for r, c in enumerate(rows):
+        sp = c.sampling
+        tok = SampledToken(token_id=int(packed[r, 0]))
+        if sp.logprobs or sp.top_logprobs:
+            tok.logprob = float(packed[r, 1])
+            k = min(sp.top_logprobs, TOP_LOGPROBS)
+            tok.top_logprobs = [TokenLogprob(int(packed[r, 2 + j]),
+                                             float(packed[r, 2 + TOP_LOGPROBS + j]))
+                                for j in range(k)]
+        out[c.seq_id] = tok
+    return out
