@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import jax
 
-from .reference import dense_attention_reference, paged_attention_reference
+from .reference import paged_attention_reference
 # Imported here, before `paged_attention` (the function) is defined below: importing the
 # submodule of the same name later, e.g. lazily on the first Pallas call, would rebind the
 # package attribute `pallas_kernels.paged_attention` to the module. (So the attribute is
 # the function; reach the module with `from pallas_kernels.paged_attention import ...`.)
 from . import paged_attention as _kernels  # imports jax and jax.experimental.pallas only
 
-__all__ = ["paged_attention", "paged_attention_reference", "dense_attention_reference",
-           "default_impl"]
+__all__ = ["paged_attention", "paged_attention_reference", "default_impl"]
 
 
 def default_impl() -> str:

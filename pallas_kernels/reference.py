@@ -140,16 +140,3 @@ def _online_update(m, l, acc, scores, mask, v, pv_spec):
     p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum(pv_spec, p, v)
-
-
-def dense_attention_reference(q, k, v, q_positions, k_len):
-    """Unpaged causal attention for one sequence (tests): q [nq, h, d], k/v [k_len, kvh, d]."""
-    nq, h, d = q.shape
-    kvh = k.shape[1]
-    g = h // kvh
-    k = jnp.repeat(k[:k_len], g, axis=1)
-    v = jnp.repeat(v[:k_len], g, axis=1)
-    scores = jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5
-    mask = jnp.arange(k_len)[None, :] <= q_positions[:, None]
-    scores = jnp.where(mask[None], scores, -jnp.inf)
-    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v)

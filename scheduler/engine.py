@@ -268,12 +268,12 @@ class Engine:
             return
         t1 = self.clock()
         self._failures = 0
+        tokens = batch.plan.num_tokens
         if result.device_seconds > 0:
-            num_decode = batch.num_decode
-            self.scheduler.cost.observe(num_decode, batch.plan.num_tokens - num_decode,
+            self.scheduler.cost.observe(batch.num_decode, tokens - batch.num_decode,
                                         result.device_seconds)
-        self._record(batch, t0, t1, result.real_tokens or batch.plan.num_tokens,
-                     result.padded_tokens or batch.plan.num_tokens)
+        self._record(batch, t0, t1, result.real_tokens or tokens,
+                     result.padded_tokens or tokens)
         self._generation_tokens += len(sampled)
         max_context = runner.max_context
         for seq, tok in sampled:
@@ -446,16 +446,22 @@ class Engine:
         self._next_id += 1
         return self._next_id - 1
 
-    def _retry_after(self) -> float:
-        """Seconds until the queue has likely drained: waiting requests over the recent
-        completion rate (1 s when nothing finished recently), clamped to [0.1, 60]."""
+    def _completion_rate(self) -> float | None:
+        """Requests finished per second over the last minute; None with too few."""
         now = self.clock()
         times = self._finish_times
         while times and now - times[0] > 60.0:
             times.popleft()
         if len(times) < 2 or now <= times[0]:
+            return None
+        return len(times) / (now - times[0])
+
+    def _retry_after(self) -> float:
+        """Seconds until the queue has likely drained: waiting requests over the recent
+        completion rate (1 s when nothing finished recently), clamped to [0.1, 60]."""
+        rate = self._completion_rate()
+        if rate is None:
             return 1.0
-        rate = len(times) / (now - times[0])
         return min(60.0, max(0.1, (self.scheduler.num_waiting + 1) / rate))
 
     def _expected_wait(self) -> float | None:
@@ -471,13 +477,8 @@ class Engine:
         ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
         if ahead <= 0:
             wait = 0.0
-        else:
-            now = self.clock()
-            times = self._finish_times
-            while times and now - times[0] > 60.0:
-                times.popleft()
-            if len(times) >= 2 and now > times[0]:
-                wait = ahead * (now - times[0]) / len(times)
+        elif (rate := self._completion_rate()) is not None:
+            wait = ahead / rate
         per_token = sched.cost.prefill_token_s
         if per_token:
             pages = sched.pages
