@@ -33,7 +33,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # then start in time instead of being shed late.
     max_queue_wait_s: float = 1.0
     prefix_cache: bool = True
-    share_prefix_across_tenants: bool = False
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
     # A step that carries prefill beside running decodes may take at most
     # max(itl_target_s, decode-only step time * (1 + prefill_slowdown)); prefill still gets
