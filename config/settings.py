@@ -96,7 +96,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `tokens` tokens in all.
     prefill_buckets: Annotated[
         list[tuple[Positive, Positive]], msgspec.Meta(min_length=1)
-    ] = msgspec.field(default_factory=lambda: [(4, 16), (4, 64), (4, 128), (4, 256)])
+    ] = msgspec.field(default_factory=lambda: [(4, n) for n in (16, 32, 48, 64, 80, 96, 128, 256)])
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
     attention: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -84,20 +84,27 @@ def paged_attention_reference(
     qg = (q.astype(f32) * scale).reshape(s, nq, kvh, g, d)
     q_pos = context_lens[:, None] - query_lens[:, None] + jnp.arange(nq)[None, :]  # [s, nq]
     q_valid = jnp.arange(nq)[None, :] < query_lens[:, None]  # [s, nq]
-    num_blocks = (jnp.max(context_lens) + blk - 1) // blk
+    own_blocks = (jnp.max(context_lens) - shared_len + blk - 1) // blk
     # Whole pages are gathered as flat rows: on XLA:CPU a gather of [page, page_size,
     # kv_heads, head_dim] slices ran at half the speed of the same bytes as one row a page.
     # (The reshape stays inside the loop bodies: outside, XLA copied the donated pool.)
 
+    # Each sequence's own pages start right after the shared prefix (a whole number of
+    # pages), so the blocks of this loop start there too, not at a multiple of the block:
+    # no block re-reads shared keys only to mask them. The table gets a block of padding
+    # columns so that the last block's slice is never clamped back onto real pages.
+    first_page = shared_len // ps
+    tables = jnp.pad(page_tables, ((0, 0), (0, pages_per_block)))
+
     def own_block(j, carry):
         m, l, acc = carry  # m, l: [s, kvh, g, nq]; acc: [s, kvh, g, nq, d]
-        pages = lax.dynamic_slice_in_dim(page_tables, j * pages_per_block, pages_per_block, 1)
+        pages = lax.dynamic_slice_in_dim(tables, first_page + j * pages_per_block,
+                                         pages_per_block, 1)
         k = k_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(f32)
         v = v_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(f32)
         scores = jnp.einsum("sqkgd,stkd->skgqt", qg, k)  # [s, kvh, g, nq, blk]
-        k_pos = j * blk + jnp.arange(blk)
-        mask = ((k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-                & (k_pos >= shared_len)[None, None, :])
+        k_pos = shared_len + j * blk + jnp.arange(blk)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
         return _online_update(m, l, acc, scores, mask[:, None, None], v,
                               "skgqt,stkd->skgqd")
 
@@ -126,8 +133,8 @@ def paged_attention_reference(
     l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
 
-    # Each sequence's own pages, from the block holding the end of the shared prefix.
-    m, l, acc = lax.fori_loop(shared_len // blk, num_blocks, own_block, (m1, l1, acc1))
+    # Each sequence's own pages, from the end of the shared prefix.
+    m, l, acc = lax.fori_loop(0, own_blocks, own_block, (m1, l1, acc1))
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, h, d)
     return out.astype(q.dtype)

@@ -93,6 +93,11 @@ def print_table(summary: Mapping[str, Any]) -> None:
             f"{req['server_errors_5xx']} x 5xx in {summary['duration_s']:.1f} s: "
             f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.1f} out tok/s; "
             f"SLO attainment {_pct(slo['attainment'])}")
+    full = thr.get("full_concurrency")
+    if full:
+        a, b = full["window_s"]
+        c.print(f"at full concurrency ({a:.1f}-{b:.1f} s): "
+                f"{full['output_tokens_per_s']:.1f} out tok/s")
     server = summary.get("server")
     if server:
         kv = server["kv_cache_usage"]

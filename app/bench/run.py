@@ -153,8 +153,9 @@ async def _steady(ctx: _Ctx) -> Phase:
                                   start_index=cfg.start_index, ramp_up_s=cfg.ramp_up_s)
         wall = shooter.now()
     head = {"load": _load(cfg)}
-    return shooter.records, head, summarize(shooter.records, wall_s=wall,
-                                            slo_ttft=cfg.slo_ttft, slo_itl=cfg.slo_itl)
+    return shooter.records, head, summarize(
+        shooter.records, wall_s=wall, slo_ttft=cfg.slo_ttft, slo_itl=cfg.slo_itl,
+        concurrency=None if cfg.rate else cfg.concurrency)
 
 
 async def _long_interference(ctx: _Ctx) -> Phase:

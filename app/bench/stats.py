@@ -89,10 +89,32 @@ def refusals(records: Sequence[RequestRecord]) -> dict[str, object]:
     }
 
 
+def full_concurrency(records: Sequence[RequestRecord], concurrency: int
+                     ) -> dict[str, object] | None:
+    """Output tokens/s while a closed loop held all ``concurrency`` streams in flight.
+
+    The run's own throughput divides by first send to last answer, so it includes the
+    ramp-up (streams still starting) and the drain (streams with nothing left to send).
+    Between the ``concurrency``-th send and the last send every worker is busy: each one
+    that finished a request sent its next at once. Tokens are counted by when their chunk
+    arrived (with `chunk_tokens`' apportioning). None when the run never filled up.
+    """
+    sends = sorted(r.start for r in records if r.status not in ("dropped",))
+    if concurrency < 1 or len(sends) <= concurrency:
+        return None
+    begin, end = sends[concurrency - 1], sends[-1]
+    if end - begin <= 0:
+        return None
+    tokens = sum(n for r in records if r.status == "ok"
+                 for t, n in zip(r.chunk_times, r.chunk_tokens) if begin <= r.start + t < end)
+    return {"window_s": [begin, end], "output_tokens_per_s": tokens / (end - begin)}
+
+
 def summarize(records: Sequence[RequestRecord], *, wall_s: float | None = None,
-              slo_ttft: float | None = None, slo_itl: float | None = None
-              ) -> dict[str, object]:
-    """The benchmark's headline numbers for ``records`` (one phase, one tag)."""
+              slo_ttft: float | None = None, slo_itl: float | None = None,
+              concurrency: int | None = None) -> dict[str, object]:
+    """The benchmark's headline numbers for ``records`` (one phase, one tag). With the
+    closed loop's `concurrency`, also the throughput at full concurrency."""
     wall = wall_time(records) if wall_s is None else wall_s
     ok = [r for r in records if r.status == "ok"]
     sent = [r for r in records if r.status not in ("cancelled", "dropped")]
@@ -114,6 +136,8 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float | None = None,
             "requests_per_s": per_s(len(ok)),
             "output_tokens_per_s": per_s(out_tokens),
             "prompt_tokens_per_s": per_s(prompt_tokens),
+            "full_concurrency": (full_concurrency(records, concurrency)
+                                 if concurrency else None),
         },
         "tokens": {
             "prompt": prompt_tokens,

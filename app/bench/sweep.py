@@ -29,6 +29,8 @@ def headline(s: dict[str, Any]) -> dict[str, Any]:
     return {
         "concurrency": s["load"].get("concurrency"),
         "output_tokens_per_s": s["throughput"]["output_tokens_per_s"],
+        "output_tokens_per_s_full_concurrency": (
+            s["throughput"].get("full_concurrency") or {}).get("output_tokens_per_s"),
         "requests_per_s": s["throughput"]["requests_per_s"],
         "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p95_s": s["ttft_s"]["p95"],
         "itl_p95_s": s["itl_s"]["p95"], "e2e_p95_s": s["e2e_s"]["p95"],

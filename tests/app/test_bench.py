@@ -67,7 +67,9 @@ def test_summary_of_known_records():
     assert s["itl_s"]["count"] == 3 and s["itl_s"]["max"] == pytest.approx(0.2)
     assert s["e2e_s"]["p50"] == pytest.approx(0.45)
     assert s["tpot_s"]["p50"] == pytest.approx((0.1 + 0.05) / 2)  # 0.3/3 and 0.05/1
-    assert s["throughput"] == pytest.approx(
+    thr = dict(s["throughput"])
+    assert thr.pop("full_concurrency") is None  # no concurrency given: not a closed loop
+    assert thr == pytest.approx(
         {"requests_per_s": 1.0, "output_tokens_per_s": 3.0, "prompt_tokens_per_s": 15.0})
     assert s["tokens"]["per_chunk_mean"] == pytest.approx(6 / 5)
     # r0 misses the ITL SLO (its p95 gap is 0.195 s), r1 meets both; 4 were sent.
@@ -83,6 +85,21 @@ def test_summary_of_known_records():
     assert ref["latency_s"]["p99"] == pytest.approx(0.002)
     assert ref["with_retry_after"] == 1 and ref["retry_after_s"]["max"] == 0.25
     assert s["errors"] == {"http_error: boom": 1}
+
+
+def test_full_concurrency_throughput_leaves_out_ramp_up_and_drain():
+    # Two streams: sends at 0 and 1 (ramp-up), then each next send as one ends, the last
+    # at 4. Every token arrives at send + 0.5 s (2 tokens) and + 1 s (1 token).
+    sends = [0.0, 1.0, 2.0, 3.0, 4.0]
+    records = [rec(i, start=t, times=[0.5, 1.0], tokens=[2, 1], e2e=1.0)
+               for i, t in enumerate(sends)]
+    s = summarize(records, concurrency=2)
+    full = s["throughput"]["full_concurrency"]
+    assert full["window_s"] == [1.0, 4.0]
+    # In [1, 4): 1.0 (1 token), 1.5 (2), 2.0 (1), 2.5 (2), 3.0 (1), 3.5 (2) -> 9.
+    assert full["output_tokens_per_s"] == pytest.approx(9 / 3)
+    assert s["throughput"]["output_tokens_per_s"] == pytest.approx(15 / 5)
+    assert summarize(records[:2], concurrency=2)["throughput"]["full_concurrency"] is None
 
 
 def test_apportion_splits_usage_over_chunks_by_characters():

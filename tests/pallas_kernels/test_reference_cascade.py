@@ -8,9 +8,12 @@ import pytest
 from pallas_kernels import paged_attention_reference
 
 
-@pytest.mark.parametrize("nq,shared_pages,ppb", [(1, 5, 2), (1, 4, 2), (4, 3, 4), (1, 0, 2),
-                                                 (3, 7, 8)])
-def test_shared_prefix_matches_plain(nq, shared_pages, ppb):
+@pytest.mark.parametrize("nq,shared_pages,ppb,longest", [
+    (1, 5, 2, 9), (1, 4, 2, 9), (4, 3, 4, 9), (1, 0, 2, 9), (3, 7, 8, 9),
+    # The longest sequence fills its whole table (16 pages) and its own pages start
+    # mid-block: the last own block reaches past the table's end.
+    (1, 5, 4, 44), (2, 3, 8, 52)])
+def test_shared_prefix_matches_plain(nq, shared_pages, ppb, longest):
     rng = np.random.default_rng(nq * 100 + shared_pages)
     ps, kvh, h, d, npages, s = 4, 2, 6, 8, 80, 3
     kp = rng.standard_normal((npages, ps, kvh, d)).astype(np.float32)
@@ -19,7 +22,7 @@ def test_shared_prefix_matches_plain(nq, shared_pages, ppb):
     perm = list(rng.permutation(np.arange(1, npages)))
     common = [int(perm.pop()) for _ in range(shared_pages)]
     ql = np.array([nq, max(1, nq - 1), nq], np.int32)
-    suffix = [3, 9, 1]  # tokens after the shared prefix, this step's queries included
+    suffix = [3, longest, 1]  # tokens after the shared prefix, this step's queries included
     ctx = np.array([shared_pages * ps + n for n in suffix], np.int32)
     pt = np.zeros((s, pps), np.int32)
     for i in range(s):
