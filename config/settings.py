@@ -29,9 +29,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_waiting: int = 256  # bounded queue: requests
     max_waiting_tokens: int = 2_000_000  # bounded queue: prompt tokens waiting
     queue_deadline_s: float = 30.0  # shed a request that waited longer than this
-    # Refuse (429) at submit when the expected queue wait exceeds this: queued requests
-    # then start in time instead of being shed late.
-    max_queue_wait_s: float = 1.0
+    # Refuse (429) at submit when the predicted time to first token (expected queue wait
+    # plus the prompt's own prefill) exceeds this, the TTFT SLO: admitted requests then
+    # start in time instead of late. Nothing ahead: always admitted. A prompt too long to
+    # meet it alone is judged on the queue wait.
+    ttft_target_s: float = 1.0
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
     # A step that carries prefill beside running decodes may take at most

@@ -115,7 +115,7 @@ def _rope(x, cos, sin):
 
 def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: int,
             pf_blocks: int, block_q: int, page_size: int, attention_impl: str,
-            pages_per_block: int):
+            pages_per_block: int, dec_rows_per_group: int | None = None):
     """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32)."""
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = b.tokens.shape[0]
@@ -145,7 +145,8 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
             od = paged_attention(qd, kc, vc, b.dec_page_tables, b.dec_context_lens,
                                  (b.dec_context_lens > 0).astype(jnp.int32),
                                  b.dec_shared_pages, b.dec_shared_len,
-                                 impl=attention_impl, pages_per_block=pages_per_block)
+                                 impl=attention_impl, pages_per_block=pages_per_block,
+                                 rows_per_group=dec_rows_per_group)
             outs.append(od.reshape(n_dec, h_ * d))
         if pf_blocks:
             qp = q[n_dec:].reshape(pf_blocks, block_q, h_, d)

@@ -75,6 +75,7 @@ class ModelRunner:
         dtype: str = "auto",
         attention_impl: str | None = None,
         pages_per_block: int = 8,
+        decode_rows_per_group: int | None = 8,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -89,6 +90,9 @@ class ModelRunner:
                 raise ValueError(f"prefill bucket {b} must be a multiple of {block_q=}")
         self.max_prefill_seqs = max_prefill_seqs
         self.pages_per_block = pages_per_block
+        # Attention walks each group of this many decode rows (sorted longest first) only
+        # as far as the group's longest sequence; None: all rows as far as the longest.
+        self.decode_rows_per_group = decode_rows_per_group
         # Page-table width: a multiple of the attention's block sizes (the reference walks
         # shared prefixes 64 pages at a time).
         pages_per_seq = math.ceil(self.max_context / page_size)
@@ -177,7 +181,8 @@ class ModelRunner:
             forward, cfg=self.config, inv_freq=self._inv_freq, dec_seqs=b.dec_seqs,
             pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             page_size=self.page_size, attention_impl=self.attention_impl,
-            pages_per_block=self.pages_per_block)
+            pages_per_block=self.pages_per_block,
+            dec_rows_per_group=self.decode_rows_per_group)
         return jax.jit(fn, donate_argnums=(1,)).lower(
             self.params, self.kv, self._batch_shapes(b)).compile()
 
@@ -286,6 +291,9 @@ class ModelRunner:
         dec, pf = [], []
         for c in plan.chunks:
             (dec if len(c.token_ids) == 1 and len(dec) < dec_cap else pf).append(c)
+        # Longest context first: attention walks each group of decode rows only as far as
+        # the group's longest (model/llama.py), so rows of similar length go together.
+        dec.sort(key=lambda c: c.start_pos, reverse=True)
         pf_tokens = sum(-(-len(c.token_ids) // bq) * bq for c in pf)
         bucket = Bucket(self._pick(self.decode_buckets, len(dec), "decode sequences"),
                         self._pick(self.prefill_buckets, pf_tokens, "prefill tokens"))

@@ -26,7 +26,8 @@ def default_impl() -> str:
 
 def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens,
                     shared_pages=None, shared_len=None, *, impl: str | None = None,
-                    pages_per_block: int = 8, scale=None):
+                    pages_per_block: int = 8, rows_per_group: int | None = None,
+                    scale=None):
     """`shared_pages`/`shared_len` name a page-table prefix common to every sequence (see
     the reference). They change the cost, never the result, so an implementation may
     ignore them: the page tables still list the shared pages."""
@@ -34,7 +35,8 @@ def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens,
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_tables, context_lens,
                                          query_lens, shared_pages, shared_len,
-                                         pages_per_block=pages_per_block, scale=scale)
+                                         pages_per_block=pages_per_block,
+                                         rows_per_group=rows_per_group, scale=scale)
     if impl in ("pallas", "pallas_interpret"):
         return _kernels.paged_attention_pallas(q, k_pages, v_pages, page_tables,
                                                context_lens, query_lens, scale=scale,

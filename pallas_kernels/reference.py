@@ -44,7 +44,7 @@ def _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "shared_pages_per_block",
-                                             "scale"))
+                                             "rows_per_group", "scale"))
 def paged_attention_reference(
     q,  # [seqs, queries, heads, head_dim]
     k_pages,  # [num_pages, page_size, kv_heads, head_dim]
@@ -57,6 +57,7 @@ def paged_attention_reference(
     *,
     pages_per_block: int = 8,
     shared_pages_per_block: int = 64,
+    rows_per_group: int | None = None,
     scale: float | None = None,
 ):
     """Causal attention of each sequence's new queries over its pages. Returns [seqs, queries,
@@ -84,7 +85,6 @@ def paged_attention_reference(
     qg = (q.astype(f32) * scale).reshape(s, nq, kvh, g, d)
     q_pos = context_lens[:, None] - query_lens[:, None] + jnp.arange(nq)[None, :]  # [s, nq]
     q_valid = jnp.arange(nq)[None, :] < query_lens[:, None]  # [s, nq]
-    own_blocks = (jnp.max(context_lens) - shared_len + blk - 1) // blk
     # Whole pages are gathered as flat rows: on XLA:CPU a gather of [page, page_size,
     # kv_heads, head_dim] slices ran at half the speed of the same bytes as one row a page.
     # (The reshape stays inside the loop bodies: outside, XLA copied the donated pool.)
@@ -96,17 +96,25 @@ def paged_attention_reference(
     first_page = shared_len // ps
     tables = jnp.pad(page_tables, ((0, 0), (0, pages_per_block)))
 
-    def own_block(j, carry):
-        m, l, acc = carry  # m, l: [s, kvh, g, nq]; acc: [s, kvh, g, nq, d]
-        pages = lax.dynamic_slice_in_dim(tables, first_page + j * pages_per_block,
-                                         pages_per_block, 1)
-        k = k_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(f32)
-        v = v_pages.reshape(num_pages, -1)[pages].reshape(s, blk, kvh, d).astype(f32)
-        scores = jnp.einsum("sqkgd,stkd->skgqt", qg, k)  # [s, kvh, g, nq, blk]
-        k_pos = shared_len + j * blk + jnp.arange(blk)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-        return _online_update(m, l, acc, scores, mask[:, None, None], v,
-                              "skgqt,stkd->skgqd")
+    def own_rows(a, b, carry):
+        """The own-page loop for rows [a, b): as many blocks as their longest needs."""
+        n = b - a
+        tab, qg_r, pos_r, valid_r = tables[a:b], qg[a:b], q_pos[a:b], q_valid[a:b]
+
+        def own_block(j, carry):
+            m, l, acc = carry  # m, l: [n, kvh, g, nq]; acc: [n, kvh, g, nq, d]
+            pages = lax.dynamic_slice_in_dim(tab, first_page + j * pages_per_block,
+                                             pages_per_block, 1)
+            k = k_pages.reshape(num_pages, -1)[pages].reshape(n, blk, kvh, d).astype(f32)
+            v = v_pages.reshape(num_pages, -1)[pages].reshape(n, blk, kvh, d).astype(f32)
+            scores = jnp.einsum("sqkgd,stkd->skgqt", qg_r, k)  # [n, kvh, g, nq, blk]
+            k_pos = shared_len + j * blk + jnp.arange(blk)
+            mask = (k_pos[None, None, :] <= pos_r[:, :, None]) & valid_r[:, :, None]
+            return _online_update(m, l, acc, scores, mask[:, None, None], v,
+                                  "skgqt,stkd->skgqd")
+
+        blocks = (jnp.max(context_lens[a:b]) - shared_len + blk - 1) // blk
+        return lax.fori_loop(0, blocks, own_block, carry)
 
     spb = min(shared_pages_per_block, page_tables.shape[1])
     sblk = spb * ps
@@ -134,7 +142,15 @@ def paged_attention_reference(
     acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
 
     # Each sequence's own pages, from the end of the shared prefix.
-    m, l, acc = lax.fori_loop(0, own_blocks, own_block, (m1, l1, acc1))
+    # In groups of rows, each walking only as far as its own longest row: a caller that
+    # orders rows by length (the runner does) saves most of the blocks that short rows
+    # would otherwise spend masked, waiting for the longest sequence of the step.
+    step = rows_per_group or s
+    parts = [own_rows(a, min(a + step, s), (m1[a:a + step], l1[a:a + step],
+                                            acc1[a:a + step]))
+             for a in range(0, s, step)]
+    m, l, acc = (jnp.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
+                 for i in range(3))
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, h, d)
     return out.astype(q.dtype)

@@ -131,12 +131,8 @@ class Engine:
             raise self._reject("queue_full", self._retry_after())
         if sched.waiting.num_tokens + len(req.prompt_ids) > cfg.max_waiting_tokens:
             raise self._reject("queue_tokens", self._retry_after())
-        wait = None if req.batch else self._expected_wait()
-        if wait is not None and wait > cfg.max_queue_wait_s:
-            # Refuse at the door rather than queue a request that would be served late:
-            # the client hears 429 in microseconds and can go elsewhere.
-            raise self._reject("queue_wait", wait, f"expected queue wait {wait:.1f}s exceeds "
-                                                   f"{cfg.max_queue_wait_s:g}s; retry later")
+        if not req.batch:
+            self._admit_by_ttft(len(req.prompt_ids))
 
         now = self.clock()
         request_id = req.request_id or uuid.uuid4().hex
@@ -481,13 +477,39 @@ class Engine:
             wait = ahead / rate
         per_token = sched.cost.prefill_token_s
         if per_token:
-            pages = sched.pages
-            miss = 1.0 - pages.hit_tokens / pages.query_tokens if pages.query_tokens else 1.0
-            pending = sched.waiting.num_tokens * miss + sum(
-                seq.num_tokens - seq.num_computed_tokens
-                for seq in sched.running.values() if seq.phase is Phase.PREFILL)
-            wait = (wait or 0.0) + pending * per_token
+            running = sum(seq.num_tokens - seq.num_computed_tokens
+                          for seq in sched.running.values() if seq.phase is Phase.PREFILL)
+            wait = ((wait or 0.0) + self._prefill_estimate(sched.waiting.num_tokens)
+                    + running * per_token)
         return wait
+
+    def _admit_by_ttft(self, prompt_tokens: int) -> None:
+        """Refuse at the door (429 in microseconds, so the client can go elsewhere) a
+        request whose first token would likely come later than `ttft_target_s`: the
+        expected wait for the work ahead of it, plus its own prefill (its prompt, less
+        the cache's recent hit rate, at the measured cost of a prefill token). A prompt
+        too long to meet the target even alone is judged on the wait alone: it is served
+        when the replica has room, however long its prefill takes."""
+        wait = self._expected_wait()
+        if wait is None or wait <= 0.0:
+            return
+        target = self.config.ttft_target_s
+        own = self._prefill_estimate(prompt_tokens)
+        ttft = wait + own if own <= target else wait
+        if ttft > target:
+            raise self._reject("queue_wait", wait, f"expected time to first token "
+                                                   f"{ttft:.1f}s exceeds {target:g}s "
+                                                   f"(queue wait {wait:.1f}s); retry later")
+
+    def _prefill_estimate(self, tokens: float) -> float:
+        """Seconds to prefill `tokens` prompt tokens, discounted by the prefix cache's
+        hit rate so far, at the measured per-token cost (0 before any is measured)."""
+        per_token = self.scheduler.cost.prefill_token_s
+        if not per_token:
+            return 0.0
+        pages = self.scheduler.pages
+        miss = 1.0 - pages.hit_tokens / pages.query_tokens if pages.query_tokens else 1.0
+        return tokens * miss * per_token
 
     def _reject(self, reason: str, retry_after_s: float, message: str = "") -> Overloaded:
         self._reject_count(reason)

@@ -36,3 +36,7 @@ def test_shared_prefix_matches_plain(nq, shared_pages, ppb, longest):
     cascade = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
         shared_pages * ps), pages_per_block=ppb, shared_pages_per_block=ppb)
     np.testing.assert_allclose(np.asarray(cascade), np.asarray(plain), atol=2e-6)
+    # Rows walked in groups (each group only as far as its longest row): the same result.
+    grouped = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
+        shared_pages * ps), pages_per_block=ppb, shared_pages_per_block=ppb, rows_per_group=2)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(plain), atol=2e-6)

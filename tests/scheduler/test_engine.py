@@ -360,11 +360,11 @@ async def test_logprobs_and_stats(nursery):
 
 async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
     """Under overload the queue does not grow into requests that would be served late:
-    once completions give a rate, a submit whose wait would exceed max_queue_wait_s is
+    once completions give a rate, a submit whose wait would exceed ttft_target_s is
     refused at once (429 upstream) with that wait as Retry-After."""
     clock = FakeClock()
     eng = Engine(FakeRunner(limits=LIMITS), FakeDetokenizer(),
-                 SchedulerConfig(max_running=1, max_queue_wait_s=5.0), clock=clock)
+                 SchedulerConfig(max_running=1, ttft_target_s=5.0), clock=clock)
     eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=4))  # takes the slot
     for _ in range(3):  # one request finished every 2 s
         eng._finish_times.append(clock())
@@ -381,14 +381,34 @@ async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
 async def test_prefill_work_ahead_counts_toward_the_expected_wait():
     """Requests admitted in a burst would each wait for the others' prefills: the wait
     estimate adds the prompt tokens ahead (discounted by cache hits) at the measured cost
-    of a prefill token. A request's own prompt never counts against it."""
+    of a prefill token. On an idle replica a request is admitted whatever its prompt."""
     eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
-                 SchedulerConfig(max_running=8, max_queue_wait_s=1.0))
+                 SchedulerConfig(max_running=8, ttft_target_s=1.0))
     eng.scheduler.cost.prefill_token_s = 0.01  # 10 ms a prompt token
     eng.submit(GenerateRequest(prompt_ids=prompt(60), max_tokens=4))  # own prompt: ok
-    eng.submit(GenerateRequest(prompt_ids=prompt(50, 2), max_tokens=4))  # 0.6 s ahead: ok
-    with pytest.raises(Overloaded) as e:  # 1.1 s of prefill ahead
-        eng.submit(GenerateRequest(prompt_ids=prompt(5, 3), max_tokens=4))
+    eng.submit(GenerateRequest(prompt_ids=prompt(30, 2), max_tokens=4))  # 0.6 s ahead: ok
+    eng.submit(GenerateRequest(prompt_ids=prompt(5, 3), max_tokens=4))  # 0.9 s ahead: ok
+    with pytest.raises(Overloaded) as e:  # 0.95 s of prefill ahead, 0.1 s its own
+        eng.submit(GenerateRequest(prompt_ids=prompt(10, 4), max_tokens=4))
     assert e.value.reason == "queue_wait"
-    assert e.value.retry_after_s == pytest.approx(1.1)
-    assert eng.stats().waiting == 2
+    assert e.value.retry_after_s == pytest.approx(0.95)
+    assert eng.stats().waiting == 3
+
+
+async def test_admission_predicts_time_to_first_token_own_prefill_included():
+    """With work ahead, a request's own prefill counts toward its predicted TTFT, so
+    admitted requests meet the target; a prompt too long to meet it even alone is
+    judged on the queue wait only (else it could never be admitted while others run)."""
+    eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
+                 SchedulerConfig(max_running=8, ttft_target_s=1.0))
+    eng.scheduler.cost.prefill_token_s = 0.01
+    eng.submit(GenerateRequest(prompt_ids=prompt(50), max_tokens=4))  # idle: admitted
+    # 0.5 s of prefill ahead + 0.4 s of its own: 0.9 s, admitted.
+    eng.submit(GenerateRequest(prompt_ids=prompt(40, 2), max_tokens=4))
+    # 0.9 s ahead + 0.2 s of its own: 1.1 s, refused; Retry-After is the wait.
+    with pytest.raises(Overloaded) as e:
+        eng.submit(GenerateRequest(prompt_ids=prompt(20, 3), max_tokens=4))
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(0.9)
+    # 3 s of its own (it can never meet 1 s): judged on the 0.9 s wait, admitted.
+    eng.submit(GenerateRequest(prompt_ids=prompt(300, 4), max_tokens=4))
+    assert eng.stats().waiting == 3
