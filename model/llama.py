@@ -113,10 +113,15 @@ def _rope(x, cos, sin):
     return jnp.concatenate([xf1 * cos - xf2 * sin, xf2 * cos + xf1 * sin], -1).astype(x.dtype)
 
 
-def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: int,
+def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq,
+            dec_seqs: int,
             pf_blocks: int, block_q: int, page_size: int, attention_impl: str,
             pages_per_block: int, dec_rows_per_group: int | None = None):
-    """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32)."""
+    """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32).
+
+    `prefix`: optional per-layer contiguous copies of a shared prefix's keys and values
+    (the runner's prefix buffer, `pallas_kernels.reference.gather_prefix`); the step's
+    `*_shared_len` then say how much of it each attention group reads from there."""
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = b.tokens.shape[0]
     x = params["embed"][b.tokens]  # [T, hidden]
@@ -125,7 +130,8 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
     n_dec = dec_seqs
     page_idx, page_off = b.slots // page_size, b.slots % page_size
     new_kv = []
-    for lp, (kc, vc) in zip(params["layers"], kv):
+    for i, (lp, (kc, vc)) in enumerate(zip(params["layers"], kv)):
+        shared_kv = None if prefix is None else prefix[i]
         hn = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         qkv = hn @ lp["wqkv"]
         if "bqkv" in lp:
@@ -144,7 +150,7 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
             qd = q[:n_dec].reshape(n_dec, 1, h_, d)
             od = paged_attention(qd, kc, vc, b.dec_page_tables, b.dec_context_lens,
                                  (b.dec_context_lens > 0).astype(jnp.int32),
-                                 b.dec_shared_pages, b.dec_shared_len,
+                                 b.dec_shared_pages, b.dec_shared_len, shared_kv,
                                  impl=attention_impl, pages_per_block=pages_per_block,
                                  rows_per_group=dec_rows_per_group)
             outs.append(od.reshape(n_dec, h_ * d))
@@ -152,7 +158,7 @@ def forward(params, kv, b: StepBatch, *, cfg: ModelConfig, inv_freq, dec_seqs: i
             qp = q[n_dec:].reshape(pf_blocks, block_q, h_, d)
             op = paged_attention(qp, kc, vc, b.pf_page_tables, b.pf_context_lens,
                                  b.pf_query_lens, b.pf_shared_pages, b.pf_shared_len,
-                                 impl=attention_impl, pages_per_block=pages_per_block)
+                                 shared_kv, impl=attention_impl, pages_per_block=pages_per_block)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
         x = x + attn @ lp["wo"]

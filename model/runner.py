@@ -76,6 +76,7 @@ class ModelRunner:
         attention_impl: str | None = None,
         pages_per_block: int = 8,
         decode_rows_per_group: int | None = 8,
+        prefix_buffer_tokens: int = 4096,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -114,6 +115,12 @@ class ModelRunner:
         shape = (self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
                         for _ in range(cfg.num_layers))
+        # The CPU attention reads a shared prefix (the system prompt) from a contiguous
+        # copy instead of gathering its pages every step; the GPU kernels read pages.
+        self.prefix: PrefixBuffer | None = None
+        if self.attention_impl == "reference" and prefix_buffer_tokens > 0:
+            self.prefix = PrefixBuffer(cfg, self.dtype, page_size, prefix_buffer_tokens,
+                                       block_pages=min(64, self.pages_per_seq))
         self._inv_freq = rope_inv_freq(cfg)
         self._fwd: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int, int], Callable] = {}
@@ -158,6 +165,7 @@ class ModelRunner:
             "kv_capacity_tokens": (self.num_pages - 1) * self.page_size,
             "max_context": self.max_context,
             "buckets": len(self.buckets()),
+            "prefix_buffer_tokens": self.prefix.tokens if self.prefix else 0,
         }
 
     # ------------------------------------------------------------------------ compiling
@@ -184,7 +192,8 @@ class ModelRunner:
             pages_per_block=self.pages_per_block,
             dec_rows_per_group=self.decode_rows_per_group)
         return jax.jit(fn, donate_argnums=(1,)).lower(
-            self.params, self.kv, self._batch_shapes(b)).compile()
+            self.params, self.kv, self._batch_shapes(b),
+            None if self.prefix is None else self.prefix.arrays).compile()
 
     def _sampling_shapes(self, rows: int, history: int) -> sampling.SamplingBatch:
         f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
@@ -220,6 +229,8 @@ class ModelRunner:
             jobs.append((f"sampler {key[0]} rows={key[1]}",
                          functools.partial(self._warm_sampler, key)))
         jobs.append(("page copy", self._warm_copy))
+        if self.prefix is not None:
+            jobs.append(("prefix buffer", lambda: self.prefix.compile(self.kv)))
         t0 = time.perf_counter()
         for i, (name, job) in enumerate(jobs):
             if progress:
@@ -256,7 +267,11 @@ class ModelRunner:
             fwd = self._fwd.get(bucket)
             if fwd is None:
                 raise RuntimeError(f"no compiled step for {bucket}; call warmup() first")
-            self.kv, logits = fwd(self.params, self.kv, batch)
+            prefix = None
+            if self.prefix is not None:
+                batch = self.prefix.prepare(self.kv, batch, plan.copies)
+                prefix = self.prefix.arrays
+            self.kv, logits = fwd(self.params, self.kv, batch, prefix)
             sampled = self._sample(plan, logits, rows, self._sample_rows(bucket))
             padded = bucket.dec_seqs + bucket.pf_tokens
             result = StepResult(sampled=sampled, padded_tokens=padded, real_tokens=real,
@@ -380,3 +395,81 @@ class ModelRunner:
                 logits, sampling.sampling_batch(rows, n_rows, hist, self._rng))
         # The one device-to-host copy of the step.
         return sampling.unpack(np.asarray(packed), rows)
+
+
+class PrefixBuffer:
+    """A contiguous copy of one shared prefix's keys and values, for the CPU attention.
+
+    Cascade attention reads a prefix every row of a step shares (the system prompt) once
+    for all rows; gathering its pages from the pool every step cost about as much as the
+    attention matmuls themselves on XLA:CPU. This keeps the prefix gathered: per layer,
+    keys transposed [kv_heads, head_dim, tokens] and values [kv_heads, tokens, head_dim]
+    (`pallas_kernels.reference.gather_prefix`), refilled only when the steps' shared
+    prefix changes.
+
+    Sound because a page's contents change only by being written: every step's writes
+    (its tokens' slots) and page copies are checked first, and the copy is cut back to
+    before the first page written. A group's shared length is then what the copy covers
+    of its shared prefix; the rest of that prefix is read as the rows' own pages.
+    """
+
+    MIN_GAIN_PAGES = 16  # refill only when it would cover this many more pages
+
+    def __init__(self, cfg: ModelConfig, dtype, page_size: int, tokens: int, *,
+                 block_pages: int) -> None:
+        block = block_pages * page_size  # the attention's shared block: a multiple of it
+        self.tokens = max(block, -(-tokens // block) * block)
+        self.page_size = page_size
+        self.capacity = self.tokens // page_size  # pages
+        kvh, d = cfg.num_kv_heads, cfg.head_dim
+        self.arrays = tuple((jnp.zeros((kvh, d, self.tokens), dtype),
+                             jnp.zeros((kvh, self.tokens, d), dtype))
+                            for _ in range(cfg.num_layers))
+        self.pages = np.zeros(0, np.int32)  # pages whose contents the copy holds, in order
+        self.fills = 0
+        self._fill = None
+
+    def compile(self, kv) -> None:
+        if self._fill is None:
+            from pallas_kernels.reference import gather_prefix
+
+            def fill(kv, old, pages):
+                del old  # donated: its memory holds the new copy
+                return tuple(gather_prefix(k, v, pages, tokens=self.tokens) for k, v in kv)
+
+            pages = jax.ShapeDtypeStruct((self.capacity,), jnp.int32)
+            self._fill = jax.jit(fill, donate_argnums=(1,)).lower(
+                kv, self.arrays, pages).compile()
+
+    def covered(self, shared: np.ndarray) -> int:
+        """How many leading pages of `shared` the copy holds."""
+        n = min(len(shared), len(self.pages))
+        if n == 0:
+            return 0
+        same = self.pages[:n] == shared[:n]
+        return n if same.all() else int(np.argmin(same))
+
+    def prepare(self, kv, batch: StepBatch, copies) -> StepBatch:
+        """Bring the copy up to date for `batch` and point its groups at it."""
+        ps = self.page_size
+        if len(self.pages):
+            written = [batch.slots // ps]
+            if copies:
+                written.append(np.asarray([dst for _, dst in copies], np.int32))
+            hit = np.isin(self.pages, np.concatenate(written))
+            if hit.any():
+                self.pages = self.pages[:int(np.argmax(hit))]
+        dec = batch.dec_shared_pages[:int(batch.dec_shared_len) // ps]
+        pf = batch.pf_shared_pages[:int(batch.pf_shared_len) // ps]
+        want = dec if len(dec) else pf
+        want = want[:self.capacity]
+        if len(want) - self.covered(want) >= min(self.MIN_GAIN_PAGES, len(want)) > 0:
+            if self._fill is None:
+                self.compile(kv)
+            pages = np.zeros(self.capacity, np.int32)
+            pages[:len(want)] = want
+            self.arrays = self._fill(kv, self.arrays, pages)
+            self.pages = want.copy()
+            self.fills += 1
+        return batch.replace(dec_shared_len=np.int32(self.covered(dec) * ps),
+                             pf_shared_len=np.int32(self.covered(pf) * ps))

@@ -54,6 +54,8 @@ def paged_attention_reference(
     query_lens,  # [seqs] int32: valid queries; query i sits at context_len - query_len + i
     shared_pages=None,  # [pages_per_seq] int32: a page-table prefix every sequence has
     shared_len=None,  # [] int32: tokens of that prefix (a multiple of page_size), or 0
+    shared_kv=None,  # optional (kt [kv_heads, head_dim, n], v [kv_heads, n, head_dim]):
+    #   the shared prefix's keys (transposed) and values, contiguous; then read from here
     *,
     pages_per_block: int = 8,
     shared_pages_per_block: int = 64,
@@ -70,6 +72,12 @@ def paged_attention_reference(
     the two partial softmaxes are merged. The result is the same attention. The shared
     prefix is walked in big blocks (`shared_pages_per_block`): each is one dense matmul,
     and every loop iteration costs fixed overhead on XLA:CPU.
+
+    `shared_kv` holds the same prefix already gathered into contiguous arrays (the runner
+    keeps one, filled once per system prompt: `gather_prefix`), so the step reads it in
+    place instead of gathering its pages: on XLA:CPU the gather, with the transpose the
+    matmul wants, cost about as much as the matmul itself. Its length must be a multiple
+    of the shared block (`shared_pages_per_block * page_size`) and at least `shared_len`.
     """
     _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per_block)
     s, nq, h, d = q.shape
@@ -121,13 +129,20 @@ def paged_attention_reference(
 
     def shared_block(j, carry):
         m, l, acc = carry  # m, l: [kvh, g * s * nq]; acc: [kvh, g * s * nq, d]
-        pages = lax.dynamic_slice_in_dim(shared_pages, j * spb, spb)
-        k = k_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
-        v = v_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
-        scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, sblk]
+        if shared_kv is None:
+            pages = lax.dynamic_slice_in_dim(shared_pages, j * spb, spb)
+            k = k_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
+            v = v_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
+            scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, sblk]
+            pv = "kqt,tkd->kqd"
+        else:
+            kt = lax.dynamic_slice_in_dim(shared_kv[0], j * sblk, sblk, 2).astype(f32)
+            v = lax.dynamic_slice_in_dim(shared_kv[1], j * sblk, sblk, 1).astype(f32)
+            scores = jnp.einsum("kqd,kdt->kqt", q_all, kt)
+            pv = "kqt,ktd->kqd"
         k_pos = j * sblk + jnp.arange(sblk)
         mask = (k_pos < shared_len)[None, None, :] & all_valid[None, :, None]
-        return _online_update(m, l, acc, scores, mask, v, "kqt,tkd->kqd")
+        return _online_update(m, l, acc, scores, mask, v, pv)
 
     # Shared prefix: every query of every sequence against the same keys.
     q_all = qg.transpose(2, 3, 0, 1, 4).reshape(kvh, g * s * nq, d)
@@ -154,6 +169,16 @@ def paged_attention_reference(
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(s, nq, h, d)
     return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens",))
+def gather_prefix(k_pages, v_pages, pages, *, tokens: int):
+    """`shared_kv` for `paged_attention_reference`: the keys (transposed) and values of
+    `pages` ([tokens / page_size] int32), contiguous: ([kvh, d, tokens], [kvh, tokens, d])."""
+    num_pages, ps, kvh, d = k_pages.shape
+    k = k_pages.reshape(num_pages, -1)[pages].reshape(tokens, kvh, d)
+    v = v_pages.reshape(num_pages, -1)[pages].reshape(tokens, kvh, d)
+    return k.transpose(1, 2, 0), v.transpose(1, 0, 2)
 
 
 def _online_update(m, l, acc, scores, mask, v, pv_spec):

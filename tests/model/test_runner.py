@@ -145,7 +145,22 @@ def test_logprobs_are_log_softmax(runner):
 def test_shared_prefix_pages_give_the_same_logits_as_private_copies(runner):
     """Cascade attention kicks in when decode rows share page-table prefixes (a system
     prompt); the numbers must equal those of a sequence holding its own copy."""
-    rng = np.random.default_rng(5)
+    _compare_shared_with_private(runner, np.random.default_rng(5))
+
+
+def test_prefix_buffer_rereads_rewritten_pages(runner):
+    """The runner keeps a shared prefix gathered between steps (the CPU attention's
+    prefix buffer). When its pages are written again (freed, then reused by another
+    prompt), the next steps must read the new contents, never the stale copy."""
+    assert runner.prefix is not None
+    rng = np.random.default_rng(6)
+    fills = runner.prefix.fills
+    _compare_shared_with_private(runner, rng)  # fills the copy with one system prompt
+    _compare_shared_with_private(runner, rng)  # same pages, another prompt written there
+    assert runner.prefix.fills >= fills + 2
+
+
+def _compare_shared_with_private(runner, rng):
     system = rng.integers(3, 300, 32).tolist()  # 4 full pages of 8
     shared = [60, 61, 62, 63]
     runner.step(StepPlan([chunk(9, system, 0, shared, sample=False)]))

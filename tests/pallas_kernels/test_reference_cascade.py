@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention_reference
+from pallas_kernels.reference import gather_prefix
 
 
 @pytest.mark.parametrize("nq,shared_pages,ppb,longest", [
@@ -40,3 +41,11 @@ def test_shared_prefix_matches_plain(nq, shared_pages, ppb, longest):
     grouped = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
         shared_pages * ps), pages_per_block=ppb, shared_pages_per_block=ppb, rows_per_group=2)
     np.testing.assert_allclose(np.asarray(grouped), np.asarray(plain), atol=2e-6)
+    # The prefix read from a contiguous copy (the runner's prefix buffer): the same result.
+    sblk = ppb * ps
+    tokens = max(sblk, -(-shared_pages * ps // sblk) * sblk)
+    kv = gather_prefix(kp, vp, shared[:tokens // ps], tokens=tokens)
+    buffered = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
+        shared_pages * ps), kv, pages_per_block=ppb, shared_pages_per_block=ppb,
+        rows_per_group=2)
+    np.testing.assert_allclose(np.asarray(buffered), np.asarray(plain), atol=2e-6)
