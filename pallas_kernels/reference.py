@@ -97,6 +97,14 @@ def paged_attention_reference(
     # kv_heads, head_dim] slices ran at half the speed of the same bytes as one row a page.
     # (The reshape stays inside the loop bodies: outside, XLA copied the donated pool.)
 
+    # The shared prefix is read in whole blocks of `sblk` tokens, each one matmul over all
+    # its keys; a prefix past the last whole block leaves the rest to each row's own pages
+    # (a 2,096-token prompt: two blocks of 1,024 and 48 own tokens a row, not three blocks
+    # with 976 keys masked). Shorter than a block: one block.
+    spb = min(shared_pages_per_block, page_tables.shape[1])
+    sblk = spb * ps
+    shared_len = jnp.where(shared_len >= sblk, shared_len - shared_len % sblk, shared_len)
+
     # Each sequence's own pages start right after the shared prefix (a whole number of
     # pages), so the blocks of this loop start there too, not at a multiple of the block:
     # no block re-reads shared keys only to mask them. The table gets a block of padding
@@ -124,8 +132,6 @@ def paged_attention_reference(
         blocks = (jnp.max(context_lens[a:b]) - shared_len + blk - 1) // blk
         return lax.fori_loop(0, blocks, own_block, carry)
 
-    spb = min(shared_pages_per_block, page_tables.shape[1])
-    sblk = spb * ps
 
     def shared_block(j, carry):
         m, l, acc = carry  # m, l: [kvh, g * s * nq]; acc: [kvh, g * s * nq, d]
