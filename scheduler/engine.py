@@ -486,8 +486,9 @@ class Engine:
     def _admit_by_ttft(self, prompt_tokens: int) -> None:
         """Refuse at the door (429 in microseconds, so the client can go elsewhere) a
         request whose first token would likely come later than `ttft_target_s`: the
-        expected wait for the work ahead of it, plus its own prefill (its prompt, less
-        the cache's recent hit rate, at the measured cost of a prefill token). A prompt
+        expected wait for the work ahead of it, plus its own step (its prompt, less the
+        cache's recent hit rate, at the measured cost of a prefill token, beside the
+        running decodes at their measured step time). A prompt
         too long to meet the target even alone is judged on the wait alone: it is served
         when the replica has room, however long its prefill takes."""
         wait = self._expected_wait()
@@ -495,6 +496,8 @@ class Engine:
             return
         target = self.config.ttft_target_s
         own = self._prefill_estimate(prompt_tokens)
+        # The step that prefills it also carries the running decodes.
+        own += self.scheduler.cost.decode_time(self.scheduler.num_running) or 0.0
         ttft = wait + own if own <= target else wait
         if ttft > target:
             raise self._reject("queue_wait", wait, f"expected time to first token "
