@@ -1,7 +1,7 @@
 """`sluice`: the console script.
 
     sluice serve [--config FILE] [--host H] [--port P] [--model SRC] [--max-waiting N]
-                 [--scheduling continuous|static] [--no-prefix-cache]
+                 [--scheduling continuous|static] [--no-prefix-cache] [--ttft-target S]
     sluice chat [--url URL] [--model NAME] [--api-key KEY]   (a running server)
     sluice generate PROMPT [--model SRC]                     (no HTTP: the engine directly)
     sluice fetch                                             (the embedded model)
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, help="bounded queue length per replica")
     s.add_argument("--scheduling", choices=["continuous", "static"])
     s.add_argument("--no-prefix-cache", action="store_true")
+    s.add_argument("--ttft-target", type=float, metavar="S",
+                   help="refuse (429) requests predicted to wait longer for their first "
+                        "token (default: the config's ttft_target_s, 1 s); 0: never")
     s.set_defaults(run=_serve)
 
     c = sub.add_parser("chat", help="chat with a running server in the terminal")
@@ -114,6 +117,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, mode=args.scheduling)
         if getattr(args, "no_prefix_cache", False):
             sched = replace(sched, prefix_cache=False)
+        if getattr(args, "ttft_target", None) is not None:
+            sched = replace(sched, ttft_target_s=args.ttft_target)
         pool = replace(pool, scheduler=sched)
         if i == 0 and getattr(args, "model", None):
             pool = replace(pool, model=args.model)

@@ -8,9 +8,12 @@ OUT=${1:-bench-out/cpu-$(date +%Y%m%d-%H%M)}
 S=.venv/bin/sluice
 mkdir -p "$OUT"
 
-# 1. Continuous vs static vs no prefix cache on shared-prefix, over concurrency.
-$S bench-sweep --spawn "continuous:" --spawn "static:--scheduling static" \
-  --spawn "no-prefix-cache:--no-prefix-cache" --workload shared-prefix \
+# 1. Continuous vs static vs no prefix cache on shared-prefix, over concurrency. Admission
+# by predicted TTFT is off in all three (--ttft-target 0): this compares how they batch,
+# and each level starts its streams at once, a burst that admission would refuse.
+$S bench-sweep --spawn "continuous:--ttft-target 0" \
+  --spawn "static:--scheduling static --ttft-target 0" \
+  --spawn "no-prefix-cache:--no-prefix-cache --ttft-target 0" --workload shared-prefix \
   --concurrencies "${CONCURRENCIES:-1,4,16}" --requests-per-stream 2 --no-progress \
   --out "$OUT/sweep" | tail -1 > "$OUT/sweep.json"
 
@@ -21,7 +24,7 @@ SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null || true' EXIT
 until curl -sf http://127.0.0.1:$PORT/health > /dev/null; do sleep 2; done
 $S bench --url http://127.0.0.1:$PORT --workload shared-prefix --concurrency 16 \
-  --requests 48 --warmup-requests 4 --no-progress --out "$OUT/shared-prefix-c16" \
+  --ramp-up 20 --requests 48 --warmup-requests 2 --no-progress --out "$OUT/shared-prefix-c16" \
   | tail -1 > "$OUT/shared-prefix-c16.json"
 $S bench --url http://127.0.0.1:$PORT --workload long-interference --no-progress \
   --out "$OUT/long-interference" | tail -1 > "$OUT/long-interference.json"

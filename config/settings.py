@@ -32,7 +32,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Refuse (429) at submit when the predicted time to first token (expected queue wait
     # plus the prompt's own prefill) exceeds this, the TTFT SLO: admitted requests then
     # start in time instead of late. Nothing ahead: always admitted. A prompt too long to
-    # meet it alone is judged on the queue wait.
+    # meet it alone is judged on the queue wait. 0: off (queue bounds only).
     ttft_target_s: float = 1.0
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes

@@ -491,10 +491,12 @@ class Engine:
         running decodes at their measured step time). A prompt
         too long to meet the target even alone is judged on the wait alone: it is served
         when the replica has room, however long its prefill takes."""
+        target = self.config.ttft_target_s
+        if target <= 0:
+            return  # admission by predicted TTFT is off
         wait = self._expected_wait()
         if wait is None or wait <= 0.0:
             return
-        target = self.config.ttft_target_s
         own = self._prefill_estimate(prompt_tokens)
         # The step that prefills it also carries the running decodes.
         own += self.scheduler.cost.decode_time(self.scheduler.num_running) or 0.0

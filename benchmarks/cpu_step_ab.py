@@ -1,0 +1,100 @@
+"""Engine-step A/B on this machine: runner variants measured interleaved in one process.
+
+Timings on the shared 2-core machines drift 10-40% over minutes, so two variants run in
+separate processes (or minutes apart) cannot be compared. This builds each variant's
+runner on the same random weights of the embedded model's shapes (SmolLM2-135M, f32),
+then alternates their steps: a decode step of 16 sequences sharing a 2,096-token system
+prompt with 70-470 tokens of their own (the shared-prefix workload at concurrency 16),
+and a mixed step of 15 of those decodes plus a 70-token question. Prints one JSON line:
+median milliseconds per step and variant, and whether the variants' logits agree.
+
+    .venv/bin/python benchmarks/cpu_step_ab.py [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
+from model.weights import load_model  # noqa: E402
+from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
+
+VARIANTS = {
+    # What the attention did before: every shared-prefix page gathered from the pool each
+    # step, and all decode rows walked as far as the longest one.
+    "gather-prefix, no row groups": dict(prefix_buffer_tokens=0, decode_rows_per_group=None),
+    "default": {},
+}
+SYSTEM, SEQS, QUESTION = 2096, 16, 70
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    enable_compilation_cache()
+    loaded = load_model("random:smollm2-135m", progress=False)
+    runners = {}
+    for name, kw in VARIANTS.items():
+        r = ModelRunner(loaded.config, loaded.params, page_size=16, kv_cache_bytes=256 << 20,
+                        decode_buckets=[SEQS], prefill_buckets=(80,), dtype="float32", **kw)
+        for b in r.buckets():
+            if b.dec_seqs == SEQS:
+                r._warm_forward(b)
+        for key in r._sampler_keys():
+            r._warm_sampler(key)
+        runners[name] = r
+
+    ps = 16
+    rng = np.random.default_rng(1)
+    own = rng.integers(70, 470, SEQS)
+    shared = list(range(1, 1 + SYSTEM // ps))
+    nxt, tables = 1 + len(shared) + 100, []
+    for n in own:
+        k = -(-(int(n) + 2 * args.reps + 8) // ps)
+        tables.append(shared + list(range(nxt, nxt + k)))
+        nxt += k
+    greedy = SamplingParams(temperature=0.0)
+
+    def chunk(i, toks, start):
+        return SeqChunk(seq_id=i, token_ids=toks, start_pos=start, page_table=tables[i],
+                        sample=True, sampling=greedy)
+
+    def decode(r, k):
+        return r.step(StepPlan([chunk(i, [5], SYSTEM + int(own[i]) + k) for i in range(SEQS)]))
+
+    def mixed(r, k, logits=False):
+        chunks = [chunk(i, [5], SYSTEM + int(own[i]) + k) for i in range(SEQS - 1)]
+        chunks.append(chunk(SEQS - 1, [7] * QUESTION, SYSTEM))
+        return r.step(StepPlan(chunks), return_logits=logits)
+
+    for r in runners.values():  # the KV the steps read: written once, same in every pool
+        decode(r, 0)
+    outs = [mixed(r, 1, logits=True).logits for r in runners.values()]
+    diff = max(float(np.abs(outs[0][s] - o[s]).max()) for o in outs[1:] for s in o)
+    times: dict[str, dict[str, list[float]]] = {n: {"decode": [], "mixed": []} for n in runners}
+    for rep in range(args.reps):
+        for name, r in runners.items():
+            for kind, fn in (("decode", decode), ("mixed", mixed)):
+                t = time.perf_counter()
+                fn(r, 2 + rep)
+                times[name][kind].append(time.perf_counter() - t)
+    out = {"seqs": SEQS, "system_tokens": SYSTEM, "question_tokens": QUESTION,
+           "reps": args.reps, "max_logit_diff": diff,
+           "median_ms": {n: {k: round(1e3 * statistics.median(v), 1) for k, v in t.items()}
+                         for n, t in times.items()}}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
