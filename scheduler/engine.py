@@ -461,13 +461,13 @@ class Engine:
         return min(60.0, max(0.1, (self.scheduler.num_waiting + 1) / rate))
 
     def _expected_wait(self) -> float | None:
-        """Seconds before a new request would likely start producing tokens, counting the
+        """Seconds before a new request would likely start its prefill, counting the
         work ahead of it: requests waiting beyond the free running slots (over the recent
-        completion rate), and the prompt tokens still to prefill ahead of it (waiting
-        prompts discounted by the prefix-cache hit rate, running prefills' remainders)
-        at the measured cost of a prefill token. Its own prompt is not counted: a long
-        prompt on an idle replica is served, however long it takes. None when there is
-        no estimate yet (the count bound still applies)."""
+        completion rate), and the prompt tokens waiting ahead of it (discounted by the
+        prefix-cache hit rate) at the measured cost of a prefill token. Prompts already
+        running are not ahead of it: their chunks share steps with newcomers (a
+        6,000-token prefill in progress does not delay a short question's admission).
+        None when there is no estimate yet (the count bound still applies)."""
         sched = self.scheduler
         wait: float | None = None
         ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
@@ -475,12 +475,8 @@ class Engine:
             wait = 0.0
         elif (rate := self._completion_rate()) is not None:
             wait = ahead / rate
-        per_token = sched.cost.prefill_token_s
-        if per_token:
-            running = sum(seq.num_tokens - seq.num_computed_tokens
-                          for seq in sched.running.values() if seq.phase is Phase.PREFILL)
-            wait = ((wait or 0.0) + self._prefill_estimate(sched.waiting.num_tokens)
-                    + running * per_token)
+        if sched.cost.prefill_token_s:
+            wait = (wait or 0.0) + self._prefill_estimate(sched.waiting.num_tokens)
         return wait
 
     def _admit_by_ttft(self, prompt_tokens: int) -> None:
