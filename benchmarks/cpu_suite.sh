@@ -28,6 +28,10 @@ $S bench --url http://127.0.0.1:$PORT --workload shared-prefix --concurrency 16 
   | tail -1 > "$OUT/shared-prefix-c16.json"
 $S bench --url http://127.0.0.1:$PORT --workload long-interference --no-progress \
   --out "$OUT/long-interference" | tail -1 > "$OUT/long-interference.json"
+# Capacity is probed first (closed loop at 16): with the system prompt cached and the
+# streams ramped, as in the steady state, so that the probe measures capacity rather than
+# admission refusing a cold burst.
 $S bench --url http://127.0.0.1:$PORT --workload overload --overload-factor 5 --duration 40 \
-  --no-progress --out "$OUT/overload" | tail -1 > "$OUT/overload.json"
+  --warmup-requests 2 --ramp-up 20 --no-progress --out "$OUT/overload" \
+  | tail -1 > "$OUT/overload.json"
 echo "results in $OUT"

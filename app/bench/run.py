@@ -194,7 +194,8 @@ async def _overload(ctx: _Ctx) -> Phase:
             probe = ctx.shooter(p)
             await closed_loop(probe, ctx.workload.request, conc, requests=n,
                               duration_s=cfg.capacity_duration_s,
-                              start_index=cfg.start_index + CAPACITY_INDEX)
+                              start_index=cfg.start_index + CAPACITY_INDEX,
+                              ramp_up_s=cfg.ramp_up_s)
             wall = probe.now()
         for r in probe.records:
             r.tag = "capacity"
