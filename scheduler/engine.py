@@ -97,6 +97,7 @@ class Engine:
         self._undelivered: dict[int, Sequence] = {}  # id(seq) -> seq with pending events
         self._pending_aborts: list[Sequence] = []
         self._in_step = False
+        self._step_ends_at = 0.0  # the step in flight: when it is expected to end
         self._wakeup = trio.Event()
         self._alive = True
         self._draining = False
@@ -248,6 +249,10 @@ class Engine:
         runner = self.runner
         t0 = self.clock()
         self._in_step = True
+        cost = self.scheduler.cost
+        pf_tokens = batch.plan.num_tokens - batch.num_decode
+        decode_s = cost.decode_time(batch.num_decode) if batch.num_decode else None
+        self._step_ends_at = t0 + (decode_s or 0.0) + pf_tokens * (cost.prefill_token_s or 0.0)
         try:
             result = await trio.to_thread.run_sync(runner.step, batch.plan,
                                                    limiter=self._limiter)
@@ -464,7 +469,8 @@ class Engine:
         """Seconds before a new request would likely start its prefill, counting the
         work ahead of it: requests waiting beyond the free running slots (over the recent
         completion rate), and the prompt tokens waiting ahead of it (discounted by the
-        prefix-cache hit rate) at the measured cost of a prefill token. Prompts already
+        prefix-cache hit rate) at the measured cost of a prefill token, and then what is
+        left of the step in flight (by the same costs). Prompts already
         running are not ahead of it: their chunks share steps with newcomers (a
         6,000-token prefill in progress does not delay a short question's admission).
         None when there is no estimate yet (the count bound still applies)."""
@@ -477,6 +483,8 @@ class Engine:
             wait = ahead / rate
         if sched.cost.prefill_token_s:
             wait = (wait or 0.0) + self._prefill_estimate(sched.waiting.num_tokens)
+        if wait is not None and wait > 0.0 and self._in_step:
+            wait += max(0.0, self._step_ends_at - self.clock())  # the step in flight
         return wait
 
     def _admit_by_ttft(self, prompt_tokens: int) -> None:

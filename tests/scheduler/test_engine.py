@@ -412,3 +412,20 @@ async def test_admission_predicts_time_to_first_token_own_prefill_included():
     # 3 s of its own (it can never meet 1 s): judged on the 0.9 s wait, admitted.
     eng.submit(GenerateRequest(prompt_ids=prompt(300, 4), max_tokens=4))
     assert eng.stats().waiting == 3
+
+
+async def test_expected_wait_counts_what_is_left_of_the_step_in_flight():
+    clock = FakeClock()
+    eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
+                 SchedulerConfig(max_running=8, ttft_target_s=1.0), clock=clock)
+    eng.scheduler.cost.prefill_token_s = 0.01
+    eng.submit(GenerateRequest(prompt_ids=prompt(30), max_tokens=4))  # 0.3 s ahead
+    assert eng._expected_wait() == pytest.approx(0.3)
+    eng._in_step, eng._step_ends_at = True, clock() + 0.5  # a step ends in 0.5 s
+    assert eng._expected_wait() == pytest.approx(0.8)
+    clock.advance(0.4)
+    assert eng._expected_wait() == pytest.approx(0.4)
+    with pytest.raises(Overloaded):  # 0.3 s ahead + 0.1 s of the step, 0.7 s its own
+        eng.submit(GenerateRequest(prompt_ids=prompt(70, 2), max_tokens=4))
+    eng._in_step = False  # without the step in flight it would have fitted
+    eng.submit(GenerateRequest(prompt_ids=prompt(65, 3), max_tokens=4))
