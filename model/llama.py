@@ -114,9 +114,9 @@ def _rope(x, cos, sin):
 
 
 def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq,
-            dec_seqs: int,
-            pf_blocks: int, block_q: int, page_size: int, attention_impl: str,
-            pages_per_block: int, dec_rows_per_group: int | None = None):
+            dec_seqs: int, pf_blocks: int, block_q: int, page_size: int,
+            attention_impl: str, pages_per_block: int,
+            dec_rows_per_group: int | None = None):
     """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32).
 
     `prefix`: optional per-layer contiguous copies of a shared prefix's keys and values

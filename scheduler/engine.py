@@ -249,10 +249,8 @@ class Engine:
         runner = self.runner
         t0 = self.clock()
         self._in_step = True
-        cost = self.scheduler.cost
-        pf_tokens = batch.plan.num_tokens - batch.num_decode
-        decode_s = cost.decode_time(batch.num_decode) if batch.num_decode else None
-        self._step_ends_at = t0 + (decode_s or 0.0) + pf_tokens * (cost.prefill_token_s or 0.0)
+        self._step_ends_at = t0 + self.scheduler.cost.estimate(
+            batch.num_decode, batch.plan.num_tokens - batch.num_decode)
         try:
             result = await trio.to_thread.run_sync(runner.step, batch.plan,
                                                    limiter=self._limiter)
@@ -468,12 +466,12 @@ class Engine:
     def _expected_wait(self) -> float | None:
         """Seconds before a new request would likely start its prefill, counting the
         work ahead of it: requests waiting beyond the free running slots (over the recent
-        completion rate), and the prompt tokens waiting ahead of it (discounted by the
-        prefix-cache hit rate) at the measured cost of a prefill token, and then what is
-        left of the step in flight (by the same costs). Prompts already
-        running are not ahead of it: their chunks share steps with newcomers (a
-        6,000-token prefill in progress does not delay a short question's admission).
-        None when there is no estimate yet (the count bound still applies)."""
+        completion rate), the prompt tokens waiting ahead of it (discounted by the
+        prefix-cache hit rate) at the measured cost of a prefill token, and what is left
+        of the step in flight. Prompts already running are not ahead of it: their chunks
+        share steps with newcomers (a 6,000-token prefill in progress does not delay a
+        short question's admission). None when there is no estimate yet (the count bound
+        still applies)."""
         sched = self.scheduler
         wait: float | None = None
         ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
@@ -492,18 +490,18 @@ class Engine:
         request whose first token would likely come later than `ttft_target_s`: the
         expected wait for the work ahead of it, plus its own step (its prompt, less the
         cache's recent hit rate, at the measured cost of a prefill token, beside the
-        running decodes at their measured step time). A prompt
-        too long to meet the target even alone is judged on the wait alone: it is served
-        when the replica has room, however long its prefill takes."""
+        running decodes at their measured step time). A prompt too long to meet the
+        target even alone is judged on the wait alone: it is served when the replica has
+        room, however long its prefill takes."""
         target = self.config.ttft_target_s
         if target <= 0:
             return  # admission by predicted TTFT is off
         wait = self._expected_wait()
         if wait is None or wait <= 0.0:
             return
-        own = self._prefill_estimate(prompt_tokens)
-        # The step that prefills it also carries the running decodes.
-        own += self.scheduler.cost.decode_time(self.scheduler.num_running) or 0.0
+        # Its own step: its prompt (cache-discounted) beside the running decodes.
+        own = (self._prefill_estimate(prompt_tokens)
+               + self.scheduler.cost.estimate(self.scheduler.num_running, 0))
         ttft = wait + own if own <= target else wait
         if ttft > target:
             raise self._reject("queue_wait", wait, f"expected time to first token "

@@ -51,6 +51,12 @@ class StepCostModel:
         old = self.prefill_token_s
         self.prefill_token_s = per_token if old is None else old + _ALPHA * (per_token - old)
 
+    def estimate(self, num_decode: int, prefill_tokens: int) -> float:
+        """Expected seconds of a step with these decodes and prefill tokens (0 for the
+        parts not measured yet)."""
+        decode = self.decode_time(num_decode) if num_decode else None
+        return (decode or 0.0) + prefill_tokens * (self.prefill_token_s or 0.0)
+
     def prefill_budget(self, num_decode: int) -> int | None:
         """Prefill tokens a step with `num_decode` decodes may carry; None: no limit."""
         if num_decode == 0:
