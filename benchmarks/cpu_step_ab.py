@@ -31,7 +31,8 @@ from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 VARIANTS = {
     # What the attention did before: every shared-prefix page gathered from the pool each
     # step, and all decode rows walked as far as the longest one.
-    "gather-prefix, no row groups": dict(prefix_buffer_tokens=0, decode_rows_per_group=None),
+    # Before: the residual stream [T, hidden], every matmul x @ W (in, out).
+    "row-major": dict(feature_major=False),
     "default": {},
 }
 SYSTEM, SEQS, QUESTION = 2096, 16, 70

@@ -48,22 +48,28 @@ class StepBatch:
     sample_idx: jax.Array  # [sample_rows] int32: which flat tokens' logits to compute
 
 
-def prepare_params(params: dict, cfg: ModelConfig, dtype) -> dict:
-    """Loader layout -> device layout: fused qkv and gate/up matrices, cast to `dtype`."""
+def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False
+                   ) -> dict:
+    """Loader layout -> device layout: fused qkv and gate/up matrices, cast to `dtype`.
+
+    The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
+    `forward(..., feature_major=True)` multiplies from the left (see there)."""
     import numpy as np
 
-    def cast(a):
-        return jnp.asarray(np.asarray(a), dtype=dtype)
+    def cast(a, matrix=False):
+        a = np.asarray(a)
+        return jnp.asarray(np.ascontiguousarray(a.T) if matrix and feature_major else a,
+                           dtype=dtype)
 
     layers = []
     for lp in params["layers"]:
         d = {
             "attn_norm": cast(lp["attn_norm"]),
-            "wqkv": cast(np.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1)),
-            "wo": cast(lp["wo"]),
+            "wqkv": cast(np.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1), True),
+            "wo": cast(lp["wo"], True),
             "mlp_norm": cast(lp["mlp_norm"]),
-            "w_gate_up": cast(np.concatenate([lp["w_gate"], lp["w_up"]], axis=1)),
-            "w_down": cast(lp["w_down"]),
+            "w_gate_up": cast(np.concatenate([lp["w_gate"], lp["w_up"]], axis=1), True),
+            "w_down": cast(lp["w_down"], True),
         }
         if cfg.qkv_bias:
             d["bqkv"] = cast(np.concatenate([lp["bq"], lp["bk"], lp["bv"]]))
@@ -74,7 +80,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype) -> dict:
         "layers": layers,
     }
     if not cfg.tie_embeddings:
-        out["lm_head"] = cast(params["lm_head"])
+        out["lm_head"] = cast(params["lm_head"], True)
     return out
 
 
@@ -99,10 +105,11 @@ def rope_inv_freq(cfg: ModelConfig):
     return np.asarray(inv, np.float32)
 
 
-def _rms_norm(x, w, eps):
+def _rms_norm(x, w, eps, axis=-1):
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    w = w.astype(jnp.float32)
+    return (xf * (w if axis == -1 else w[:, None])).astype(x.dtype)
 
 
 def _rope(x, cos, sin):
@@ -116,15 +123,29 @@ def _rope(x, cos, sin):
 def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq,
             dec_seqs: int, pf_blocks: int, block_q: int, page_size: int,
             attention_impl: str, pages_per_block: int,
-            dec_rows_per_group: int | None = None):
+            dec_rows_per_group: int | None = None, feature_major: bool = False):
     """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32).
 
     `prefix`: optional per-layer contiguous copies of a shared prefix's keys and values
     (the runner's prefix buffer, `pallas_kernels.reference.gather_prefix`); the step's
-    `*_shared_len` then say how much of it each attention group reads from there."""
+    `*_shared_len` then say how much of it each attention group reads from there.
+
+    `feature_major` (params from `prepare_params(..., feature_major=True)`): the residual
+    stream is kept as [hidden, T] and every weight multiplies from the left, (out, in) @
+    (in, T). On XLA:CPU that puts the step's few token rows on the matmul kernel's narrow
+    side, so a decode step's weight matmuls at 16 rows ran ~18% faster than x @ W (the
+    kernel's wide row panel is then filled with weight rows, not 16 tokens). Only the
+    small per-layer q/k/v and attention-output tiles are transposed."""
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = b.tokens.shape[0]
+    fm = feature_major
+    # Feature-major helpers: `lin` multiplies, `rows` takes feature rows [a, b) as [T, n].
+    lin = (lambda x, w: w @ x) if fm else (lambda x, w: x @ w)
+    rows = (lambda a, lo, hi: a[lo:hi].T) if fm else (lambda a, lo, hi: a[:, lo:hi])
+    ax = 0 if fm else -1
     x = params["embed"][b.tokens]  # [T, hidden]
+    if fm:
+        x = x.T
     ang = b.positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
     n_dec = dec_seqs
@@ -132,13 +153,13 @@ def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq
     new_kv = []
     for i, (lp, (kc, vc)) in enumerate(zip(params["layers"], kv)):
         shared_kv = None if prefix is None else prefix[i]
-        hn = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        qkv = hn @ lp["wqkv"]
+        hn = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ax)
+        qkv = lin(hn, lp["wqkv"])
         if "bqkv" in lp:
-            qkv = qkv + lp["bqkv"]
-        q = qkv[:, : h_ * d].reshape(t, h_, d)
-        k = qkv[:, h_ * d : (h_ + kvh) * d].reshape(t, kvh, d)
-        v = qkv[:, (h_ + kvh) * d :].reshape(t, kvh, d)
+            qkv = qkv + (lp["bqkv"][:, None] if fm else lp["bqkv"])
+        q = rows(qkv, 0, h_ * d).reshape(t, h_, d)
+        k = rows(qkv, h_ * d, (h_ + kvh) * d).reshape(t, kvh, d)
+        v = rows(qkv, (h_ + kvh) * d, (h_ + 2 * kvh) * d).reshape(t, kvh, d)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         # Index the 4-D pool directly: scattering through a flattening reshape made
         # XLA:CPU copy the whole pool per layer at one-token steps (tests/model check it).
@@ -161,14 +182,19 @@ def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq
                                  shared_kv, impl=attention_impl, pages_per_block=pages_per_block)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
-        x = x + attn @ lp["wo"]
-        hn = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gu = hn @ lp["w_gate_up"]
+        x = x + lin(attn.T if fm else attn, lp["wo"])
+        hn = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax)
+        gu = lin(hn, lp["w_gate_up"])
         inter = cfg.intermediate_size
-        x = x + (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]) @ lp["w_down"]
-    hs = _rms_norm(x[b.sample_idx], params["final_norm"], cfg.rms_norm_eps)
-    if "lm_head" in params:
-        logits = hs @ params["lm_head"]
+        gate, up = (gu[:inter], gu[inter:]) if fm else (gu[:, :inter], gu[:, inter:])
+        x = x + lin(jax.nn.silu(gate) * up, lp["w_down"])
+    if fm:  # [hidden, S] -> logits [S, vocab]
+        hs = _rms_norm(x[:, b.sample_idx], params["final_norm"], cfg.rms_norm_eps, 0)
+        logits = (params.get("lm_head", params["embed"]) @ hs).T
     else:
-        logits = jnp.einsum("sh,vh->sv", hs, params["embed"])
+        hs = _rms_norm(x[b.sample_idx], params["final_norm"], cfg.rms_norm_eps)
+        if "lm_head" in params:
+            logits = hs @ params["lm_head"]
+        else:
+            logits = jnp.einsum("sh,vh->sv", hs, params["embed"])
     return tuple(new_kv), logits.astype(jnp.float32)

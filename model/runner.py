@@ -77,6 +77,7 @@ class ModelRunner:
         pages_per_block: int = 8,
         decode_rows_per_group: int | None = 8,
         prefix_buffer_tokens: int = 4096,
+        feature_major: bool | None = None,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -111,7 +112,11 @@ class ModelRunner:
         self.num_pages = int(num_pages)
         self.kv_bytes = self.num_pages * page_bytes
 
-        self.params = prepare_params(params, cfg, self.dtype)
+        # Feature-major residual stream (weights (out, in), multiplied from the left): faster
+        # on XLA:CPU at few rows (model/llama.py, forward); not measured on a GPU yet.
+        self.feature_major = (jax.default_backend() == "cpu" if feature_major is None
+                              else feature_major)
+        self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major)
         shape = (self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
                         for _ in range(cfg.num_layers))
@@ -166,6 +171,7 @@ class ModelRunner:
             "max_context": self.max_context,
             "buckets": len(self.buckets()),
             "prefix_buffer_tokens": self.prefix.tokens if self.prefix else 0,
+            "feature_major": self.feature_major,
         }
 
     # ------------------------------------------------------------------------ compiling
@@ -190,7 +196,7 @@ class ModelRunner:
             pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             page_size=self.page_size, attention_impl=self.attention_impl,
             pages_per_block=self.pages_per_block,
-            dec_rows_per_group=self.decode_rows_per_group)
+            dec_rows_per_group=self.decode_rows_per_group, feature_major=self.feature_major)
         return jax.jit(fn, donate_argnums=(1,)).lower(
             self.params, self.kv, self._batch_shapes(b),
             None if self.prefix is None else self.prefix.arrays).compile()

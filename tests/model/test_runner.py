@@ -182,3 +182,36 @@ def _compare_shared_with_private(runner, rng):
             assert a.sampled[s].token_id == b.sampled[s + 2].token_id
         last = [a.sampled[s].token_id for s in range(2)]
         pos = [p + 1 for p in pos]
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied-with-bias"])
+def test_feature_major_and_row_major_layouts_agree(variant):
+    """The CPU default keeps the residual stream [hidden, T] with (out, in) weights; the
+    GPU path keeps [T, hidden] with (in, out) weights. Same logits, mixed step included,
+    for tied embeddings and for an untied lm_head with qkv biases."""
+    cfg, params = TINY, random_params(TINY, seed=4)
+    if variant != "tied":
+        import dataclasses
+
+        cfg = dataclasses.replace(TINY, tie_embeddings=False, qkv_bias=True)
+        rng = np.random.default_rng(5)
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        params["lm_head"] = (rng.standard_normal((cfg.hidden_size, cfg.vocab_size)) * 0.1
+                             ).astype(np.float32)
+        for lp in params["layers"]:
+            lp["bq"], lp["bk"], lp["bv"] = (rng.standard_normal(n).astype(np.float32) * 0.1
+                                            for n in (qd, kd, kd))
+    out = []
+    for fm in (True, False):
+        r = ModelRunner(cfg, params, page_size=8, num_pages=32, max_context=256,
+                        decode_buckets=(2,), prefill_buckets=(64,), block_q=8,
+                        max_prefill_seqs=2, feature_major=fm)
+        assert r.describe()["feature_major"] is fm
+        r.warmup()
+        toks = list(range(3, 23))
+        r.step(StepPlan([chunk(0, toks, 0, [1, 2, 3]), chunk(1, toks[:9], 0, [4, 5, 6])]))
+        res = r.step(StepPlan([chunk(0, [7], 20, [1, 2, 3]), chunk(1, toks[9:], 9, [4, 5, 6])]),
+                     return_logits=True)
+        out.append(res.logits)
+    for s in (0, 1):
+        np.testing.assert_allclose(out[0][s], out[1][s], atol=1e-4)
