@@ -5,8 +5,10 @@ separate processes (or minutes apart) cannot be compared. This builds each varia
 runner on the same random weights of the embedded model's shapes (SmolLM2-135M, f32),
 then alternates their steps: a decode step of 16 sequences sharing a 2,096-token system
 prompt with 70-470 tokens of their own (the shared-prefix workload at concurrency 16),
-and a mixed step of 15 of those decodes plus a 70-token question. Prints one JSON line:
-median milliseconds per step and variant, and whether the variants' logits agree.
+and a mixed step of 15 of those decodes plus a 70-token question; then, in a loop of its
+own, a cold prefill of a 2,096-token prompt in chunks of 256 (9 steps, timed together).
+Prints one JSON line: median milliseconds per step (per prompt for the prefill) and
+variant, and whether the variants' logits agree.
 
     .venv/bin/python benchmarks/cpu_step_ab.py [--reps 30]
 """
@@ -47,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     runners = {}
     for name, kw in VARIANTS.items():
         r = ModelRunner(loaded.config, loaded.params, page_size=16, kv_cache_bytes=256 << 20,
-                        decode_buckets=[SEQS], prefill_buckets=(80,), dtype="float32", **kw)
+                        decode_buckets=[SEQS], prefill_buckets=(80, 256), dtype="float32",
+                        **kw)
         for b in r.buckets():
-            if b.dec_seqs == SEQS:
+            if b.dec_seqs in (0, SEQS):
                 r._warm_forward(b)
         for key in r._sampler_keys():
             r._warm_sampler(key)
@@ -82,13 +85,26 @@ def main(argv: list[str] | None = None) -> int:
         decode(r, 0)
     outs = [mixed(r, 1, logits=True).logits for r in runners.values()]
     diff = max(float(np.abs(outs[0][s] - o[s]).max()) for o in outs[1:] for s in o)
-    times: dict[str, dict[str, list[float]]] = {n: {"decode": [], "mixed": []} for n in runners}
+    cold = list(range(nxt, nxt + SYSTEM // ps + 1))
+
+    def prefill(r, k):
+        for a in range(0, SYSTEM, 256):
+            r.step(StepPlan([SeqChunk(seq_id=99, token_ids=[9] * min(256, SYSTEM - a),
+                                      start_pos=a, page_table=cold, sample=True,
+                                      sampling=greedy)]))
+
+    times = {n: {"decode": [], "mixed": [], "prefill": []} for n in runners}
     for rep in range(args.reps):
         for name, r in runners.items():
             for kind, fn in (("decode", decode), ("mixed", mixed)):
                 t = time.perf_counter()
                 fn(r, 2 + rep)
                 times[name][kind].append(time.perf_counter() - t)
+    for rep in range(max(1, args.reps // 10)):
+        for name, r in runners.items():
+            t = time.perf_counter()
+            prefill(r, rep)
+            times[name]["prefill"].append(time.perf_counter() - t)
     out = {"seqs": SEQS, "system_tokens": SYSTEM, "question_tokens": QUESTION,
            "reps": args.reps, "max_logit_diff": diff,
            "median_ms": {n: {k: round(1e3 * statistics.median(v), 1) for k, v in t.items()}

@@ -40,11 +40,13 @@ class StepBatch:
     dec_context_lens: jax.Array  # [dec_seqs] int32 (0 for padding)
     dec_shared_pages: jax.Array  # [pages_per_seq] int32: page prefix all decode rows share
     dec_shared_len: jax.Array  # [] int32: its length in tokens (0: none)
+    dec_buffered_len: jax.Array  # [] int32: how much of it the prefix copy holds (CPU)
     pf_page_tables: jax.Array  # [pf_blocks, pages_per_seq] int32
     pf_context_lens: jax.Array  # [pf_blocks] int32: position of the block's last token + 1
     pf_query_lens: jax.Array  # [pf_blocks] int32: valid tokens in the block
     pf_shared_pages: jax.Array  # [pages_per_seq] int32: page prefix all prefill blocks share
     pf_shared_len: jax.Array  # [] int32
+    pf_buffered_len: jax.Array  # [] int32
     sample_idx: jax.Array  # [sample_rows] int32: which flat tokens' logits to compute
 
 
@@ -128,7 +130,7 @@ def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq
 
     `prefix`: optional per-layer contiguous copies of a shared prefix's keys and values
     (the runner's prefix buffer, `pallas_kernels.reference.gather_prefix`); the step's
-    `*_shared_len` then say how much of it each attention group reads from there.
+    `*_buffered_len` then say how much of it each attention group reads from there.
 
     `feature_major` (params from `prepare_params(..., feature_major=True)`): the residual
     stream is kept as [hidden, T] and every weight multiplies from the left, (out, in) @
@@ -172,14 +174,14 @@ def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq
             od = paged_attention(qd, kc, vc, b.dec_page_tables, b.dec_context_lens,
                                  (b.dec_context_lens > 0).astype(jnp.int32),
                                  b.dec_shared_pages, b.dec_shared_len, shared_kv,
-                                 impl=attention_impl, pages_per_block=pages_per_block,
+                                 b.dec_buffered_len, impl=attention_impl, pages_per_block=pages_per_block,
                                  rows_per_group=dec_rows_per_group)
             outs.append(od.reshape(n_dec, h_ * d))
         if pf_blocks:
             qp = q[n_dec:].reshape(pf_blocks, block_q, h_, d)
             op = paged_attention(qp, kc, vc, b.pf_page_tables, b.pf_context_lens,
                                  b.pf_query_lens, b.pf_shared_pages, b.pf_shared_len,
-                                 shared_kv, impl=attention_impl, pages_per_block=pages_per_block)
+                                 shared_kv, b.pf_buffered_len, impl=attention_impl, pages_per_block=pages_per_block)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
         x = x + lin(attn.T if fm else attn, lp["wo"])

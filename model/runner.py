@@ -184,9 +184,11 @@ class ModelRunner:
             dec_page_tables=i32(b.dec_seqs, self.pages_per_seq),
             dec_context_lens=i32(b.dec_seqs),
             dec_shared_pages=i32(self.pages_per_seq), dec_shared_len=i32(),
+            dec_buffered_len=i32(),
             pf_page_tables=i32(blocks, self.pages_per_seq),
             pf_context_lens=i32(blocks), pf_query_lens=i32(blocks),
             pf_shared_pages=i32(self.pages_per_seq), pf_shared_len=i32(),
+            pf_buffered_len=i32(),
             sample_idx=i32(self._sample_rows(b)),
         )
 
@@ -265,14 +267,16 @@ class ModelRunner:
     def _dummy_batch(self, b: Bucket) -> StepBatch:
         """A batch of bucket `b` that touches only the null page (page 0, where padding
         writes go anyway): every token writes slot 0, and each attention group reads one
-        shared block and one own block, so that every loop body runs once."""
+        shared block from the prefix copy, one gathered from pages and one own block, so
+        that every loop body runs once."""
         shapes = self._batch_shapes(b)
-        shared = min(64, self.pages_per_seq) * self.page_size  # the reference's shared block
-        if shared >= self.max_context:
-            shared = 0
+        block = min(64, self.pages_per_seq) * self.page_size  # the reference's shared block
+        shared = 2 * block if 2 * block < self.max_context else 0
+        buffered = block if shared and self.prefix is not None else 0
         fill = {"dec_context_lens": shared + 1, "dec_shared_len": shared,
+                "dec_buffered_len": buffered,
                 "pf_context_lens": shared + self.block_q, "pf_query_lens": self.block_q,
-                "pf_shared_len": shared}
+                "pf_shared_len": shared, "pf_buffered_len": buffered}
         return StepBatch(**{name: np.full(sd.shape, fill.get(name, 0), np.int32)
                             for name, sd in vars(shapes).items()})
 
@@ -405,9 +409,11 @@ class ModelRunner:
         batch = StepBatch(tokens=tokens, positions=positions, slots=slots,
                           dec_page_tables=dec_pt, dec_context_lens=dec_ctx,
                           dec_shared_pages=dec_shared, dec_shared_len=dec_shared_len,
+                          dec_buffered_len=np.int32(0),
                           pf_page_tables=pf_pt, pf_context_lens=pf_ctx,
                           pf_query_lens=pf_ql, pf_shared_pages=pf_shared,
-                          pf_shared_len=pf_shared_len, sample_idx=sample_idx)
+                          pf_shared_len=pf_shared_len, pf_buffered_len=np.int32(0),
+                          sample_idx=sample_idx)
         real = sum(len(c.token_ids) for c in plan.chunks)
         return batch, bucket, rows, real
 
@@ -483,14 +489,18 @@ class PrefixBuffer:
 
     def covered(self, shared: np.ndarray) -> int:
         """How many leading pages of `shared` the copy holds."""
-        n = min(len(shared), len(self.pages))
-        if n == 0:
-            return 0
-        same = self.pages[:n] == shared[:n]
-        return n if same.all() else int(np.argmin(same))
+        return _common_prefix(self.pages, shared)
 
     def prepare(self, kv, batch: StepBatch, copies) -> StepBatch:
-        """Bring the copy up to date for `batch` and point its groups at it."""
+        """Bring the copy up to date for `batch` and point its groups at it.
+
+        The copy holds one prefix; the two groups may share different ones (the decode
+        rows' system prompt; a long prompt's earlier chunks for the prefill group). It
+        holds whichever saves the step the most pages of gathering (both groups counted:
+        the prefill group's prefix often extends the decode rows'), and is refilled only
+        when another would save `MIN_GAIN_PAGES` more than what it holds now, so two
+        prefixes of similar length do not take turns every step. The group it does not
+        serve gathers its prefix from the pages (`buffered_len` 0)."""
         ps = self.page_size
         if len(self.pages):
             written = [batch.slots // ps]
@@ -501,15 +511,28 @@ class PrefixBuffer:
                 self.pages = self.pages[:int(np.argmax(hit))]
         dec = batch.dec_shared_pages[:int(batch.dec_shared_len) // ps]
         pf = batch.pf_shared_pages[:int(batch.pf_shared_len) // ps]
-        want = dec if len(dec) else pf
-        want = want[:self.capacity]
-        if len(want) - self.covered(want) >= min(self.MIN_GAIN_PAGES, len(want)) > 0:
+
+        def saved(pages: np.ndarray) -> int:
+            return _common_prefix(pages, dec) + _common_prefix(pages, pf)
+
+        held = saved(self.pages)
+        best = max((w[:self.capacity] for w in (dec, pf) if len(w)), key=saved, default=None)
+        if best is not None and saved(best) - held >= min(self.MIN_GAIN_PAGES, len(best)):
             if self._fill is None:
                 self.compile(kv)
             pages = np.zeros(self.capacity, np.int32)
-            pages[:len(want)] = want
+            pages[:len(best)] = best
             self.arrays = self._fill(kv, self.arrays, pages)
-            self.pages = want.copy()
+            self.pages = best.copy()
             self.fills += 1
-        return batch.replace(dec_shared_len=np.int32(self.covered(dec) * ps),
-                             pf_shared_len=np.int32(self.covered(pf) * ps))
+        return batch.replace(dec_buffered_len=np.int32(self.covered(dec) * ps),
+                             pf_buffered_len=np.int32(self.covered(pf) * ps))
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    same = a[:n] == b[:n]
+    return n if same.all() else int(np.argmin(same))

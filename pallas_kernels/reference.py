@@ -56,6 +56,8 @@ def paged_attention_reference(
     shared_len=None,  # [] int32: tokens of that prefix (a multiple of page_size), or 0
     shared_kv=None,  # optional (kt [kv_heads, head_dim, n], v [kv_heads, n, head_dim]):
     #   the shared prefix's keys (transposed) and values, contiguous; then read from here
+    buffered_len=None,  # [] int32: how many tokens of the shared prefix `shared_kv` holds
+    #   (a multiple of page_size; None: all of it); the rest is gathered from the pages
     *,
     pages_per_block: int = 8,
     shared_pages_per_block: int = 64,
@@ -73,11 +75,15 @@ def paged_attention_reference(
     prefix is walked in big blocks (`shared_pages_per_block`): each is one dense matmul,
     and every loop iteration costs fixed overhead on XLA:CPU.
 
-    `shared_kv` holds the same prefix already gathered into contiguous arrays (the runner
-    keeps one, filled once per system prompt: `gather_prefix`), so the step reads it in
-    place instead of gathering its pages: on XLA:CPU the gather, with the transpose the
-    matmul wants, cost about as much as the matmul itself. Its length must be a multiple
-    of the shared block (`shared_pages_per_block * page_size`) and at least `shared_len`.
+    `shared_kv` holds the first `buffered_len` tokens of the same prefix already gathered
+    into contiguous arrays (the runner keeps one, filled once per system prompt:
+    `gather_prefix`), so the step reads them in place instead of gathering their pages: on
+    XLA:CPU the gather, with the transpose the matmul wants, cost about as much as the
+    matmul itself. Its length must be a multiple of the shared block
+    (`shared_pages_per_block * page_size`). Whatever the copy does not hold (a prefix
+    longer than it, or a different prefix: the decode rows' system prompt buffered while a
+    long prompt's earlier chunks are the prefill group's prefix) is gathered from the pages
+    in whole shared blocks, and the rest left to the rows' own pages.
     """
     _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per_block)
     s, nq, h, d = q.shape
@@ -100,10 +106,20 @@ def paged_attention_reference(
     # The shared prefix is read in whole blocks of `sblk` tokens, each one matmul over all
     # its keys; a prefix past the last whole block leaves the rest to each row's own pages
     # (a 2,096-token prompt: two blocks of 1,024 and 48 own tokens a row, not three blocks
-    # with 976 keys masked). Shorter than a block: one block.
+    # with 976 keys masked). From the contiguous copy first (`buffered` tokens; shorter
+    # than a block: one block, masked), then gathered from the pages (whole blocks only:
+    # gathering a block to use a page of it costs more than reading that page per row).
     spb = min(shared_pages_per_block, page_tables.shape[1])
     sblk = spb * ps
-    shared_len = jnp.where(shared_len >= sblk, shared_len - shared_len % sblk, shared_len)
+    if shared_kv is None:
+        buffered = jnp.int32(0)
+    else:
+        buffered = shared_len if buffered_len is None else jnp.minimum(buffered_len,
+                                                                       shared_len)
+        buffered = jnp.where(buffered >= sblk, buffered - buffered % sblk, buffered)
+    gathered = (shared_len - buffered) // sblk * sblk
+    shared_len = buffered + gathered  # where each row's own pages start
+    shared_table = jnp.pad(shared_pages, (0, spb))  # slices past the end are never clamped
 
     # Each sequence's own pages start right after the shared prefix (a whole number of
     # pages), so the blocks of this loop start there too, not at a multiple of the block:
@@ -133,31 +149,31 @@ def paged_attention_reference(
         return lax.fori_loop(0, blocks, own_block, carry)
 
 
-    def shared_block(j, carry):
-        m, l, acc = carry  # m, l: [kvh, g * s * nq]; acc: [kvh, g * s * nq, d]
-        if shared_kv is None:
-            pages = lax.dynamic_slice_in_dim(shared_pages, j * spb, spb)
-            k = k_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
-            v = v_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
-            scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, sblk]
-            pv = "kqt,tkd->kqd"
-        else:
-            kt = lax.dynamic_slice_in_dim(shared_kv[0], j * sblk, sblk, 2).astype(f32)
-            v = lax.dynamic_slice_in_dim(shared_kv[1], j * sblk, sblk, 1).astype(f32)
-            scores = jnp.einsum("kqd,kdt->kqt", q_all, kt)
-            pv = "kqt,ktd->kqd"
+    def buffered_block(j, carry):
+        kt = lax.dynamic_slice_in_dim(shared_kv[0], j * sblk, sblk, 2).astype(f32)
+        v = lax.dynamic_slice_in_dim(shared_kv[1], j * sblk, sblk, 1).astype(f32)
+        scores = jnp.einsum("kqd,kdt->kqt", q_all, kt)  # [kvh, g*s*nq, sblk]
         k_pos = j * sblk + jnp.arange(sblk)
-        mask = (k_pos < shared_len)[None, None, :] & all_valid[None, :, None]
-        return _online_update(m, l, acc, scores, mask, v, pv)
+        mask = (k_pos < buffered)[None, None, :] & all_valid[None, :, None]
+        return _online_update(*carry, scores, mask, v, "kqt,ktd->kqd")
+
+    def gathered_block(j, carry):
+        pages = lax.dynamic_slice_in_dim(shared_table, buffered // ps + j * spb, spb)
+        k = k_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
+        v = v_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
+        scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, sblk]
+        mask = jnp.broadcast_to(all_valid[None, :, None], scores.shape)
+        return _online_update(*carry, scores, mask, v, "kqt,tkd->kqd")
 
     # Shared prefix: every query of every sequence against the same keys.
     q_all = qg.transpose(2, 3, 0, 1, 4).reshape(kvh, g * s * nq, d)
     all_valid = jnp.broadcast_to(q_valid[None], (g, s, nq)).reshape(g * s * nq)
     rows = g * s * nq
-    m1, l1, acc1 = lax.fori_loop(
-        0, (shared_len + sblk - 1) // sblk, shared_block,
-        (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
-         jnp.zeros((kvh, rows, d), f32)))
+    carry = (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
+             jnp.zeros((kvh, rows, d), f32))  # m, l: [kvh, g*s*nq]; acc: [.., d]
+    if shared_kv is not None:
+        carry = lax.fori_loop(0, (buffered + sblk - 1) // sblk, buffered_block, carry)
+    m1, l1, acc1 = lax.fori_loop(0, gathered // sblk, gathered_block, carry)
     m1 = m1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)

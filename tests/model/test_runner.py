@@ -215,3 +215,39 @@ def test_feature_major_and_row_major_layouts_agree(variant):
         out.append(res.logits)
     for s in (0, 1):
         np.testing.assert_allclose(out[0][s], out[1][s], atol=1e-4)
+
+
+def test_prefix_buffer_follows_the_longer_prefix_and_gathers_the_other():
+    """Decode rows share a system prompt while a long prompt is prefilled in chunks beside
+    them: the two attention groups share different prefixes. The prefix copy moves to
+    the long prompt once its earlier chunks outgrow the system prompt, and the group it
+    does not serve gathers its prefix from the pages, in whole blocks: the logits stay
+    those of a runner that gathers everything."""
+    params = random_params(TINY, seed=7)
+    kw = dict(page_size=2, num_pages=600, max_context=512, decode_buckets=(2,),
+              prefill_buckets=(32,), block_q=8, max_prefill_seqs=2)
+    buffered, gathered = ModelRunner(TINY, params, **kw), ModelRunner(
+        TINY, params, prefix_buffer_tokens=0, **kw)
+    assert buffered.prefix is not None and gathered.prefix is None
+    rng = np.random.default_rng(8)
+    system, long = rng.integers(3, 300, 130).tolist(), rng.integers(3, 300, 300).tolist()
+    sys_pages, long_pages = list(range(1, 66)), list(range(200, 350))
+    tables = [sys_pages + list(range(100, 110)), sys_pages + list(range(120, 130))]
+    tails = [rng.integers(3, 300, n).tolist() for n in (5, 9)]
+    for r in (buffered, gathered):
+        r.warmup()
+        for a in range(0, 130, 32):
+            r.step(StepPlan([chunk(9, system[a:a + 32], a, sys_pages, sample=False)]))
+        r.step(StepPlan([chunk(s, tails[s], 130, tables[s], sample=False)
+                         for s in range(2)]))
+    last, pos = [t[-1] for t in tails], [130 + len(t) for t in tails]
+    for a in range(0, 300, 32):
+        plan = StepPlan([chunk(s, [last[s]], pos[s], tables[s]) for s in range(2)]
+                        + [chunk(5, long[a:a + 32], a, long_pages)])
+        x, y = (r.step(plan, return_logits=True) for r in (buffered, gathered))
+        for s in (0, 1, 5):
+            np.testing.assert_allclose(x.logits[s], y.logits[s], atol=1e-4)
+        last, pos = [x.sampled[s].token_id for s in range(2)], [p + 1 for p in pos]
+    # It held the system prompt, then moved to the long prompt's earlier pages.
+    assert buffered.prefix.fills >= 2
+    assert list(buffered.prefix.pages[:100]) == long_pages[:100]

@@ -49,3 +49,13 @@ def test_shared_prefix_matches_plain(nq, shared_pages, ppb, longest):
         shared_pages * ps), kv, pages_per_block=ppb, shared_pages_per_block=ppb,
         rows_per_group=2)
     np.testing.assert_allclose(np.asarray(buffered), np.asarray(plain), atol=2e-6)
+    # The copy holds only part of the prefix (the rest gathered from the pages), or
+    # another prefix altogether (all of this one gathered): still the same result.
+    for held in sorted({shared_pages // 2, 0}):
+        other = shared.copy()
+        other[held:] = np.roll(other[held:], 1) + 1  # differs from page `held` on
+        kv = gather_prefix(kp, vp, other[:tokens // ps], tokens=tokens)
+        part = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
+            shared_pages * ps), kv, np.int32(held * ps), pages_per_block=ppb,
+            shared_pages_per_block=ppb, rows_per_group=2)
+        np.testing.assert_allclose(np.asarray(part), np.asarray(plain), atol=2e-6)
