@@ -298,6 +298,10 @@ class ModelRunner:
                 return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv)
             idx = jax.ShapeDtypeStruct((_COPY_BUCKET,), jnp.int32)
             self._copy = jax.jit(copy, donate_argnums=(0,)).lower(self.kv, idx, idx).compile()
+            null = np.zeros(_COPY_BUCKET, np.int32)  # first run: the null page onto itself
+            with self._lock:
+                self.kv = self._copy(self.kv, null, null)
+                jax.block_until_ready(self.kv)
 
     # --------------------------------------------------------------------------- a step
     def step(self, plan: StepPlan, *, return_logits: bool = False) -> StepResult:
@@ -486,6 +490,11 @@ class PrefixBuffer:
             pages = jax.ShapeDtypeStruct((self.capacity,), jnp.int32)
             self._fill = jax.jit(fill, donate_argnums=(1,)).lower(
                 kv, self.arrays, pages).compile()
+            # First run (see ModelRunner._warm_forward): the copy then holds null pages
+            # and claims none.
+            self.arrays = self._fill(kv, self.arrays, np.zeros(self.capacity, np.int32))
+            jax.block_until_ready(self.arrays)
+            self.pages = np.zeros(0, np.int32)
 
     def covered(self, shared: np.ndarray) -> int:
         """How many leading pages of `shared` the copy holds."""
