@@ -10,11 +10,13 @@ mkdir -p "$OUT"
 
 # 1. Continuous vs static vs no prefix cache on shared-prefix, over concurrency. Admission
 # by predicted TTFT is off in all three (--ttft-target 0): this compares how they batch,
-# and each level starts its streams at once, a burst that admission would refuse.
+# and each level starts its streams at once, a burst that admission would refuse. Two
+# warm-up requests first (not counted) put the system prompt in the cache, as in service.
 $S bench-sweep --spawn "continuous:--ttft-target 0" \
   --spawn "static:--scheduling static --ttft-target 0" \
   --spawn "no-prefix-cache:--no-prefix-cache --ttft-target 0" --workload shared-prefix \
-  --concurrencies "${CONCURRENCIES:-1,4,16}" --requests-per-stream 2 --no-progress \
+  --concurrencies "${CONCURRENCIES:-1,4,16}" --requests-per-stream 2 --warmup-requests 2 \
+  --no-progress \
   --out "$OUT/sweep" | tail -1 > "$OUT/sweep.json"
 
 # 2. Long-interference and overload against one continuous server.
