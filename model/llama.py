@@ -174,14 +174,16 @@ def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq
             od = paged_attention(qd, kc, vc, b.dec_page_tables, b.dec_context_lens,
                                  (b.dec_context_lens > 0).astype(jnp.int32),
                                  b.dec_shared_pages, b.dec_shared_len, shared_kv,
-                                 b.dec_buffered_len, impl=attention_impl, pages_per_block=pages_per_block,
+                                 b.dec_buffered_len, impl=attention_impl,
+                                 pages_per_block=pages_per_block,
                                  rows_per_group=dec_rows_per_group)
             outs.append(od.reshape(n_dec, h_ * d))
         if pf_blocks:
             qp = q[n_dec:].reshape(pf_blocks, block_q, h_, d)
             op = paged_attention(qp, kc, vc, b.pf_page_tables, b.pf_context_lens,
                                  b.pf_query_lens, b.pf_shared_pages, b.pf_shared_len,
-                                 shared_kv, b.pf_buffered_len, impl=attention_impl, pages_per_block=pages_per_block)
+                                 shared_kv, b.pf_buffered_len, impl=attention_impl,
+                                 pages_per_block=pages_per_block)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
         x = x + lin(attn.T if fm else attn, lp["wo"])

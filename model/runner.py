@@ -29,6 +29,7 @@ from .config import ModelConfig
 from .llama import StepBatch, forward, prepare_params, rope_inv_freq
 
 _COPY_BUCKET = 16
+_SHARED_BLOCK_PAGES = 64  # = reference.paged_attention_reference's default
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -98,8 +99,10 @@ class ModelRunner:
         # Page-table width: a multiple of the attention's block sizes (the reference walks
         # shared prefixes 64 pages at a time).
         pages_per_seq = math.ceil(self.max_context / page_size)
-        align = math.lcm(pages_per_block, 64)
+        align = math.lcm(pages_per_block, _SHARED_BLOCK_PAGES)
         self.pages_per_seq = math.ceil(pages_per_seq / align) * align
+        # The reference attention's shared block (`shared_pages_per_block`), in pages.
+        self._shared_block_pages = min(_SHARED_BLOCK_PAGES, self.pages_per_seq)
         from pallas_kernels import default_impl
 
         self.attention_impl = attention_impl or default_impl()
@@ -125,7 +128,7 @@ class ModelRunner:
         self.prefix: PrefixBuffer | None = None
         if self.attention_impl == "reference" and prefix_buffer_tokens > 0:
             self.prefix = PrefixBuffer(cfg, self.dtype, page_size, prefix_buffer_tokens,
-                                       block_pages=min(64, self.pages_per_seq))
+                                       block_pages=self._shared_block_pages)
         self._inv_freq = rope_inv_freq(cfg)
         self._fwd: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int, int], Callable] = {}
@@ -270,7 +273,7 @@ class ModelRunner:
         shared block from the prefix copy, one gathered from pages and one own block, so
         that every loop body runs once."""
         shapes = self._batch_shapes(b)
-        block = min(64, self.pages_per_seq) * self.page_size  # the reference's shared block
+        block = self._shared_block_pages * self.page_size
         shared = 2 * block if 2 * block < self.max_context else 0
         buffered = block if shared and self.prefix is not None else 0
         fill = {"dec_context_lens": shared + 1, "dec_shared_len": shared,
@@ -459,8 +462,8 @@ class PrefixBuffer:
 
     Sound because a page's contents change only by being written: every step's writes
     (its tokens' slots) and page copies are checked first, and the copy is cut back to
-    before the first page written. A group's shared length is then what the copy covers
-    of its shared prefix; the rest of that prefix is read as the rows' own pages.
+    before the first page written. A group's `buffered_len` is then what the copy covers
+    of its shared prefix; the attention gathers the rest of that prefix from the pages.
     """
 
     MIN_GAIN_PAGES = 16  # refill only when it would cover this many more pages
