@@ -3,10 +3,12 @@
 Timings on the shared 2-core machines drift 10-40% over minutes, so two variants run in
 separate processes (or minutes apart) cannot be compared. This builds each variant's
 runner on the same random weights of the embedded model's shapes (SmolLM2-135M, f32),
-then alternates their steps: a decode step of 16 sequences sharing a 2,096-token system
+then alternates their steps: a decode step of 16 sequences sharing a 2,000-token system
 prompt with 70-470 tokens of their own (the shared-prefix workload at concurrency 16),
 and a mixed step of 15 of those decodes plus a 70-token question; then, in a loop of its
-own, a cold prefill of a 2,096-token prompt in chunks of 256 (9 steps, timed together).
+own, a cold prefill of a 2,000-token prompt in chunks of 256 (8 steps, timed together).
+The system prompt is the shared-prefix workload's as the server sees it: 125 whole pages
+(its 2,000 tokens are not a whole number of the attention's 1,024-token shared blocks).
 Prints one JSON line: median milliseconds per step (per prompt for the prefill) and
 variant, and whether the variants' logits agree.
 
@@ -37,7 +39,7 @@ VARIANTS = {
     "row-major": dict(feature_major=False),
     "default": {},
 }
-SYSTEM, SEQS, QUESTION = 2096, 16, 70
+SYSTEM, SEQS, QUESTION = 2000, 16, 70
 
 
 def main(argv: list[str] | None = None) -> int:

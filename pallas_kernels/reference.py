@@ -73,7 +73,8 @@ def paged_attention_reference(
     dense matmul, instead of once per sequence; each sequence reads only its own suffix and
     the two partial softmaxes are merged. The result is the same attention. The shared
     prefix is walked in big blocks (`shared_pages_per_block`): each is one dense matmul,
-    and every loop iteration costs fixed overhead on XLA:CPU.
+    and every loop iteration costs fixed overhead on XLA:CPU; its tail in blocks of
+    `pages_per_block`.
 
     `shared_kv` holds the first `buffered_len` tokens of the same prefix already gathered
     into contiguous arrays (the runner keeps one, filled once per system prompt:
@@ -82,10 +83,12 @@ def paged_attention_reference(
     matmul itself. Its length must be a multiple of the shared block
     (`shared_pages_per_block * page_size`). Whatever the copy does not hold (a prefix
     longer than it, or a different prefix: the decode rows' system prompt buffered while a
-    long prompt's earlier chunks are the prefill group's prefix) is gathered from the pages
-    in whole shared blocks, and the rest left to the rows' own pages.
+    long prompt's earlier chunks are the prefill group's prefix) is gathered from the pages,
+    once for all queries too.
     """
     _check(q, k_pages, v_pages, page_tables, context_lens, query_lens, pages_per_block)
+    if shared_pages_per_block % pages_per_block:
+        raise ValueError(f"{pages_per_block=} must divide {shared_pages_per_block=}")
     s, nq, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
     g = h // kvh
@@ -103,12 +106,13 @@ def paged_attention_reference(
     # kv_heads, head_dim] slices ran at half the speed of the same bytes as one row a page.
     # (The reshape stays inside the loop bodies: outside, XLA copied the donated pool.)
 
-    # The shared prefix is read in whole blocks of `sblk` tokens, each one matmul over all
-    # its keys; a prefix past the last whole block leaves the rest to each row's own pages
-    # (a 2,096-token prompt: two blocks of 1,024 and 48 own tokens a row, not three blocks
-    # with 976 keys masked). From the contiguous copy first (`buffered` tokens; shorter
-    # than a block: one block, masked), then gathered from the pages (whole blocks only:
-    # gathering a block to use a page of it costs more than reading that page per row).
+    # The shared prefix is read once for all queries: from the contiguous copy first
+    # (`buffered` tokens), then gathered from the pages (the rest of it). Each part is
+    # walked in big blocks of `sblk` tokens (one matmul each: every loop iteration costs
+    # fixed overhead on XLA:CPU), then its tail in small blocks of `blk` tokens, the last
+    # one masked. Rounding a part down to whole big blocks instead would leave its tail to
+    # every row's own walk: a 2,000-token system prompt, one block of 1,024 buffered and
+    # 976 tokens read again by each of 16 rows, made the decode step 30% slower.
     spb = min(shared_pages_per_block, page_tables.shape[1])
     sblk = spb * ps
     if shared_kv is None:
@@ -116,10 +120,9 @@ def paged_attention_reference(
     else:
         buffered = shared_len if buffered_len is None else jnp.minimum(buffered_len,
                                                                        shared_len)
-        buffered = jnp.where(buffered >= sblk, buffered - buffered % sblk, buffered)
-    gathered = (shared_len - buffered) // sblk * sblk
-    shared_len = buffered + gathered  # where each row's own pages start
-    shared_table = jnp.pad(shared_pages, (0, spb))  # slices past the end are never clamped
+    # The copy's length is a multiple of `sblk` (and so of `blk`): no slice of it is
+    # clamped. The table gets a big block of padding for the same reason.
+    shared_table = jnp.pad(shared_pages, (0, spb))
 
     # Each sequence's own pages start right after the shared prefix (a whole number of
     # pages), so the blocks of this loop start there too, not at a multiple of the block:
@@ -149,21 +152,39 @@ def paged_attention_reference(
         return lax.fori_loop(0, blocks, own_block, carry)
 
 
-    def buffered_block(j, carry):
-        kt = lax.dynamic_slice_in_dim(shared_kv[0], j * sblk, sblk, 2).astype(f32)
-        v = lax.dynamic_slice_in_dim(shared_kv[1], j * sblk, sblk, 1).astype(f32)
-        scores = jnp.einsum("kqd,kdt->kqt", q_all, kt)  # [kvh, g*s*nq, sblk]
-        k_pos = j * sblk + jnp.arange(sblk)
-        mask = (k_pos < buffered)[None, None, :] & all_valid[None, :, None]
-        return _online_update(*carry, scores, mask, v, "kqt,ktd->kqd")
+    def buffered_blocks(start, size, count, carry):
+        """`count` blocks of `size` tokens of the copy from token `start`, keys past
+        `buffered` masked."""
+        def body(j, carry):
+            at = start + j * size
+            kt = lax.dynamic_slice_in_dim(shared_kv[0], at, size, 2).astype(f32)
+            v = lax.dynamic_slice_in_dim(shared_kv[1], at, size, 1).astype(f32)
+            scores = jnp.einsum("kqd,kdt->kqt", q_all, kt)  # [kvh, g*s*nq, size]
+            k_pos = at + jnp.arange(size)
+            mask = (k_pos < buffered)[None, None, :] & all_valid[None, :, None]
+            return _online_update(*carry, scores, mask, v, "kqt,ktd->kqd")
+        return lax.fori_loop(0, count, body, carry)
 
-    def gathered_block(j, carry):
-        pages = lax.dynamic_slice_in_dim(shared_table, buffered // ps + j * spb, spb)
-        k = k_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
-        v = v_pages.reshape(num_pages, -1)[pages].reshape(sblk, kvh, d).astype(f32)
-        scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, sblk]
-        mask = jnp.broadcast_to(all_valid[None, :, None], scores.shape)
-        return _online_update(*carry, scores, mask, v, "kqt,tkd->kqd")
+    def gathered_blocks(start, size, count, carry):
+        """`count` blocks of `size` tokens gathered from the shared pages from token
+        `start` (a page multiple), keys past `shared_len` masked."""
+        n = size // ps
+        def body(j, carry):
+            at = start + j * size
+            pages = lax.dynamic_slice_in_dim(shared_table, at // ps, n)
+            k = k_pages.reshape(num_pages, -1)[pages].reshape(size, kvh, d).astype(f32)
+            v = v_pages.reshape(num_pages, -1)[pages].reshape(size, kvh, d).astype(f32)
+            scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, size]
+            k_pos = at + jnp.arange(size)
+            mask = (k_pos < shared_len)[None, None, :] & all_valid[None, :, None]
+            return _online_update(*carry, scores, mask, v, "kqt,tkd->kqd")
+        return lax.fori_loop(0, count, body, carry)
+
+    def blocks_of(start, length, carry, walk):
+        """`length` tokens from `start`: whole big blocks, then the tail in small ones."""
+        big = length // sblk
+        carry = walk(start, sblk, big, carry)
+        return walk(start + big * sblk, blk, (length - big * sblk + blk - 1) // blk, carry)
 
     # Shared prefix: every query of every sequence against the same keys.
     q_all = qg.transpose(2, 3, 0, 1, 4).reshape(kvh, g * s * nq, d)
@@ -172,8 +193,8 @@ def paged_attention_reference(
     carry = (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
              jnp.zeros((kvh, rows, d), f32))  # m, l: [kvh, g*s*nq]; acc: [.., d]
     if shared_kv is not None:
-        carry = lax.fori_loop(0, (buffered + sblk - 1) // sblk, buffered_block, carry)
-    m1, l1, acc1 = lax.fori_loop(0, gathered // sblk, gathered_block, carry)
+        carry = blocks_of(jnp.int32(0), buffered, carry, buffered_blocks)
+    m1, l1, acc1 = blocks_of(buffered, shared_len - buffered, carry, gathered_blocks)
     m1 = m1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
