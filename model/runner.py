@@ -324,6 +324,13 @@ class ModelRunner:
                 prefix = self.prefix.arrays
             self.kv, logits = fwd(self.params, self.kv, batch, prefix)
             sampled = self._sample(plan, logits, rows, self._sample_rows(bucket))
+            if not rows:
+                # Nothing sampled, so nothing waited for the step: wait here. Otherwise
+                # the engine would dispatch a long prompt's chunks back to back without
+                # them having run, a request arriving meanwhile would queue behind all of
+                # them instead of joining the next step, and the step times that the cost
+                # model learns from would be dispatch times.
+                jax.block_until_ready(logits)
             padded = bucket.dec_seqs + bucket.pf_tokens
             result = StepResult(sampled=sampled, padded_tokens=padded, real_tokens=real,
                                 device_seconds=time.perf_counter() - t0)

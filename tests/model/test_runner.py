@@ -105,6 +105,17 @@ def test_chunked_prefill_and_decode_match_one_shot(runner):
         assert ta == tb
 
 
+def test_a_step_that_samples_nothing_has_run_when_it_returns(runner):
+    """A prompt's middle chunk samples nothing, so no result waits for it; the step must
+    still have run when `step` returns (else the engine would queue a long prompt's
+    chunks ahead of requests arriving meanwhile, and learn dispatch times as step times)."""
+    toks = np.random.default_rng(5).integers(3, 300, 60).tolist()
+    res = runner.step(StepPlan([chunk(0, toks, 0, [4, 18, 7, 30, 25, 41, 52, 60],
+                                      sample=False)]))
+    assert res.sampled == {}
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves(runner.kv))
+
+
 def test_seeded_sampling_is_independent_of_batch(runner):
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     pages = [list(range(1 + 8 * s, 9 + 8 * s)) for s in range(4)]
