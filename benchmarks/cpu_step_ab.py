@@ -5,8 +5,9 @@ separate processes (or minutes apart) cannot be compared. This builds each varia
 runner on the same random weights of the embedded model's shapes (SmolLM2-135M, f32),
 then alternates their steps: a decode step of 16 sequences sharing a 2,000-token system
 prompt with 70-470 tokens of their own (the shared-prefix workload at concurrency 16),
-and a mixed step of 15 of those decodes plus a 70-token question; then, in a loop of its
-own, a cold prefill of a 2,000-token prompt in chunks of 256 (8 steps, timed together).
+a mixed step of 15 of those decodes plus a 70-token question, and a long mixed step (4
+decodes, a 48-token chunk of a long prompt 5,000 tokens in, and a question); then, in a
+loop of its own, a cold prefill of a 2,000-token prompt in chunks of 256 (8 steps, timed together).
 The system prompt is the shared-prefix workload's as the server sees it: 125 whole pages
 (its 2,000 tokens are not a whole number of the attention's 1,024-token shared blocks).
 Prints one JSON line: median milliseconds per step (per prompt for the prefill) and
@@ -33,13 +34,12 @@ from model.weights import load_model  # noqa: E402
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 
 VARIANTS = {
-    # What the attention did before: every shared-prefix page gathered from the pool each
-    # step, and all decode rows walked as far as the longest one.
-    # Before: the residual stream [T, hidden], every matmul x @ W (in, out).
-    "row-major": dict(feature_major=False),
+    # Before: every prefill block walked as far as the step's longest one.
+    "pf-ungrouped": dict(group_prefill_blocks=False),
     "default": {},
 }
 SYSTEM, SEQS, QUESTION = 2000, 16, 70
+LONG_AT, LONG_CHUNK = 5000, 48
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model("random:smollm2-135m", progress=False)
     runners = {}
     for name, kw in VARIANTS.items():
-        r = ModelRunner(loaded.config, loaded.params, page_size=16, kv_cache_bytes=256 << 20,
-                        decode_buckets=[SEQS], prefill_buckets=(80, 256), dtype="float32",
+        r = ModelRunner(loaded.config, loaded.params, page_size=16, kv_cache_bytes=1 << 30,
+                        decode_buckets=[4, SEQS], prefill_buckets=(80, 256), dtype="float32",
                         **kw)
         for b in r.buckets():
-            if b.dec_seqs in (0, SEQS):
+            if b.dec_seqs in (0, 4, SEQS):
                 r._warm_forward(b)
         for key in r._sampler_keys():
             r._warm_sampler(key)
@@ -83,6 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         chunks.append(chunk(SEQS - 1, [7] * QUESTION, SYSTEM))
         return r.step(StepPlan(chunks), return_logits=logits)
 
+    # A chunk of a 6,000-token prompt at 5,000 tokens in, beside 4 decodes and a new
+    # question (the long-interference workload when a short stream asks again).
+    long_table = list(range(nxt, nxt + (LONG_AT + LONG_CHUNK) // ps + 1))
+    nxt = long_table[-1] + 1
+
+    def long_mixed(r, k):
+        chunks = [chunk(i, [5], SYSTEM + int(own[i]) + k) for i in range(4)]
+        chunks.append(SeqChunk(seq_id=98, token_ids=[9] * LONG_CHUNK, start_pos=LONG_AT,
+                               page_table=long_table, sample=False, sampling=greedy))
+        chunks.append(chunk(SEQS - 1, [7] * QUESTION, SYSTEM))
+        return r.step(StepPlan(chunks))
+
     for r in runners.values():  # the KV the steps read: written once, same in every pool
         decode(r, 0)
     outs = [mixed(r, 1, logits=True).logits for r in runners.values()]
@@ -95,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                                       start_pos=a, page_table=cold, sample=True,
                                       sampling=greedy)]))
 
-    times = {n: {"decode": [], "mixed": [], "prefill": []} for n in runners}
+    times = {n: {"decode": [], "mixed": [], "long_mixed": [], "prefill": []} for n in runners}
     for rep in range(args.reps):
         for name, r in runners.items():
-            for kind, fn in (("decode", decode), ("mixed", mixed)):
+            for kind, fn in (("decode", decode), ("mixed", mixed),
+                             ("long_mixed", long_mixed)):
                 t = time.perf_counter()
                 fn(r, 2 + rep)
                 times[name][kind].append(time.perf_counter() - t)

@@ -125,7 +125,8 @@ def _rope(x, cos, sin):
 def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq,
             dec_seqs: int, pf_blocks: int, block_q: int, page_size: int,
             attention_impl: str, pages_per_block: int,
-            dec_rows_per_group: int | None = None, feature_major: bool = False):
+            dec_rows_per_group: int | None = None,
+            pf_rows_per_group: tuple[int, ...] | None = None, feature_major: bool = False):
     """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32).
 
     `prefix`: optional per-layer contiguous copies of a shared prefix's keys and values
@@ -183,7 +184,8 @@ def forward(params, kv, b: StepBatch, prefix=None, *, cfg: ModelConfig, inv_freq
             op = paged_attention(qp, kc, vc, b.pf_page_tables, b.pf_context_lens,
                                  b.pf_query_lens, b.pf_shared_pages, b.pf_shared_len,
                                  shared_kv, b.pf_buffered_len, impl=attention_impl,
-                                 pages_per_block=pages_per_block)
+                                 pages_per_block=pages_per_block,
+                                 rows_per_group=pf_rows_per_group)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
         x = x + lin(attn.T if fm else attn, lp["wo"])

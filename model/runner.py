@@ -77,6 +77,7 @@ class ModelRunner:
         attention_impl: str | None = None,
         pages_per_block: int = 8,
         decode_rows_per_group: int | None = 8,
+        group_prefill_blocks: bool = True,
         prefix_buffer_tokens: int = 4096,
         feature_major: bool | None = None,
     ) -> None:
@@ -96,6 +97,10 @@ class ModelRunner:
         # Attention walks each group of this many decode rows (sorted longest first) only
         # as far as the group's longest sequence; None: all rows as far as the longest.
         self.decode_rows_per_group = decode_rows_per_group
+        # Prefill blocks, sorted by context (longest first), walk in groups of halving size
+        # (8, 4, 2, 1, 1 of 16 blocks): a short prompt's blocks beside a chunk of a long
+        # one then stop at their own length instead of walking the long prompt's keys.
+        self.group_prefill_blocks = group_prefill_blocks
         # Page-table width: a multiple of the attention's block sizes (the reference walks
         # shared prefixes 64 pages at a time).
         pages_per_seq = math.ceil(self.max_context / page_size)
@@ -201,7 +206,10 @@ class ModelRunner:
             pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             page_size=self.page_size, attention_impl=self.attention_impl,
             pages_per_block=self.pages_per_block,
-            dec_rows_per_group=self.decode_rows_per_group, feature_major=self.feature_major)
+            dec_rows_per_group=self.decode_rows_per_group,
+            pf_rows_per_group=(halving_groups(b.pf_tokens // self.block_q)
+                               if self.group_prefill_blocks else None),
+            feature_major=self.feature_major)
         return jax.jit(fn, donate_argnums=(1,)).lower(
             self.params, self.kv, self._batch_shapes(b),
             None if self.prefix is None else self.prefix.arrays).compile()
@@ -367,6 +375,9 @@ class ModelRunner:
         # Longest context first: attention walks each group of decode rows only as far as
         # the group's longest (model/llama.py), so rows of similar length go together.
         dec.sort(key=lambda c: c.start_pos, reverse=True)
+        # Prefill chunks likewise, by the context their last block reaches (the blocks
+        # walk in groups, `halving_groups`).
+        pf.sort(key=lambda c: c.start_pos + len(c.token_ids), reverse=True)
         pf_tokens = sum(-(-len(c.token_ids) // bq) * bq for c in pf)
         bucket = Bucket(self._pick(self.decode_buckets, len(dec), "decode sequences"),
                         self._pick(self.prefill_buckets, pf_tokens, "prefill tokens"))
@@ -546,6 +557,17 @@ class PrefixBuffer:
             self.fills += 1
         return batch.replace(dec_buffered_len=np.int32(self.covered(dec) * ps),
                              pf_buffered_len=np.int32(self.covered(pf) * ps))
+
+
+def halving_groups(n: int) -> tuple[int, ...] | None:
+    """Sizes of groups of `n` rows sorted longest first, each half the rows left: the
+    first group holds the longest rows, the last ones single rows. A few long rows then
+    leave the rest short walks, at log2(n) loops rather than one (n=16: 8, 4, 2, 1, 1)."""
+    sizes = []
+    while n > 1:
+        sizes.append(-(-n // 2))
+        n -= sizes[-1]
+    return (*sizes, 1) if sizes else None
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -27,7 +27,8 @@ def default_impl() -> str:
 def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens,
                     shared_pages=None, shared_len=None, shared_kv=None,
                     buffered_len=None, *, impl: str | None = None,
-                    pages_per_block: int = 8, rows_per_group: int | None = None,
+                    pages_per_block: int = 8,
+                    rows_per_group: int | tuple[int, ...] | None = None,
                     scale=None):
     """`shared_pages`/`shared_len` name a page-table prefix common to every sequence, and
     `shared_kv` optionally holds the first `buffered_len` tokens of its keys and values

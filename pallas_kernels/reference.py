@@ -61,7 +61,7 @@ def paged_attention_reference(
     *,
     pages_per_block: int = 8,
     shared_pages_per_block: int = 64,
-    rows_per_group: int | None = None,
+    rows_per_group: int | tuple[int, ...] | None = None,
     scale: float | None = None,
 ):
     """Causal attention of each sequence's new queries over its pages. Returns [seqs, queries,
@@ -203,10 +203,22 @@ def paged_attention_reference(
     # In groups of rows, each walking only as far as its own longest row: a caller that
     # orders rows by length (the runner does) saves most of the blocks that short rows
     # would otherwise spend masked, waiting for the longest sequence of the step.
-    step = rows_per_group or s
-    parts = [own_rows(a, min(a + step, s), (m1[a:a + step], l1[a:a + step],
-                                            acc1[a:a + step]))
-             for a in range(0, s, step)]
+    # `rows_per_group` is a group size, or the sizes of consecutive groups (the rows
+    # left over form one more group).
+    if not rows_per_group:
+        sizes = ()
+    elif isinstance(rows_per_group, int):
+        sizes = (rows_per_group,) * -(-s // rows_per_group)
+    else:
+        sizes = tuple(rows_per_group)
+    bounds = [0]
+    for n in sizes:
+        if bounds[-1] < s:
+            bounds.append(min(s, bounds[-1] + n))
+    if bounds[-1] < s:
+        bounds.append(s)
+    parts = [own_rows(a, b, (m1[a:b], l1[a:b], acc1[a:b]))
+             for a, b in zip(bounds, bounds[1:])]
     m, l, acc = (jnp.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
                  for i in range(3))
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]

@@ -116,6 +116,29 @@ def test_a_step_that_samples_nothing_has_run_when_it_returns(runner):
     assert all(leaf.is_ready() for leaf in jax.tree.leaves(runner.kv))
 
 
+def test_prompts_of_different_lengths_in_one_step_match_each_alone(runner):
+    """A chunk deep into a long prompt and a short prompt share a step: their blocks are
+    sorted by context and walked in groups, and each gets the logits it gets alone."""
+    rng = np.random.default_rng(6)
+    long_toks = rng.integers(3, 300, 200).tolist()
+    short_toks = rng.integers(3, 300, 11).tolist()
+    lp_a, lp_b = list(range(2, 28)), list(range(30, 56))
+    sp_a, sp_b = [60, 61], [62, 63]
+    for a in range(0, 184, 32):  # the long prompt's first 184 tokens, twice
+        runner.step(StepPlan([chunk(0, long_toks[a:min(a + 32, 184)], a, lp_a, sample=False),
+                              chunk(1, long_toks[a:min(a + 32, 184)], a, lp_b, sample=False)]))
+    alone_long = runner.step(StepPlan([chunk(0, long_toks[184:], 184, lp_a)]),
+                             return_logits=True)
+    alone_short = runner.step(StepPlan([chunk(2, short_toks, 0, sp_a)]), return_logits=True)
+    # The short prompt first in the plan: the runner puts the deeper chunk first.
+    both = runner.step(StepPlan([chunk(3, short_toks, 0, sp_b),
+                                 chunk(1, long_toks[184:], 184, lp_b)]), return_logits=True)
+    np.testing.assert_allclose(both.logits[1], alone_long.logits[0], atol=1e-4)
+    np.testing.assert_allclose(both.logits[3], alone_short.logits[2], atol=1e-4)
+    assert both.sampled[1].token_id == alone_long.sampled[0].token_id
+    assert both.sampled[3].token_id == alone_short.sampled[2].token_id
+
+
 def test_seeded_sampling_is_independent_of_batch(runner):
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     pages = [list(range(1 + 8 * s, 9 + 8 * s)) for s in range(4)]

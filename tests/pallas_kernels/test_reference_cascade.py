@@ -45,6 +45,11 @@ def test_shared_prefix_matches_plain(nq, shared_pages, ppb, longest, spb_factor)
     grouped = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
         shared_pages * ps), pages_per_block=ppb, shared_pages_per_block=spb, rows_per_group=2)
     np.testing.assert_allclose(np.asarray(grouped), np.asarray(plain), atol=2e-6)
+    # Groups of given sizes (the runner's halving groups for prefill blocks): the same.
+    halving = paged_attention_reference(q, kp, vp, pt, ctx, ql, shared, np.int32(
+        shared_pages * ps), pages_per_block=ppb, shared_pages_per_block=spb,
+        rows_per_group=(2, 1))
+    np.testing.assert_allclose(np.asarray(halving), np.asarray(plain), atol=2e-6)
     # The prefix read from a contiguous copy (the runner's prefix buffer): the same result.
     sblk = min(spb, pps) * ps
     tokens = max(sblk, -(-shared_pages * ps // sblk) * sblk)
