@@ -1,7 +1,8 @@
 """`sluice`: the console script.
 
     sluice serve [--config FILE] [--host H] [--port P] [--model SRC] [--max-waiting N]
-                 [--scheduling continuous|static] [--no-prefix-cache] [--ttft-target S]
+                 [--max-running N] [--scheduling continuous|static] [--no-prefix-cache]
+                 [--ttft-target S]
     sluice chat [--url URL] [--model NAME] [--api-key KEY]   (a running server)
     sluice generate PROMPT [--model SRC]                     (no HTTP: the engine directly)
     sluice fetch                                             (the embedded model)
@@ -60,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="model source for the first pool: embedded, a .gguf, "
                                    "a HF or orbax directory, random:<preset>")
     s.add_argument("--max-waiting", type=int, help="bounded queue length per replica")
+    s.add_argument("--max-running", type=int,
+                   help="sequences running at once per replica (continuous: the batch; "
+                        "static: the group size too)")
     s.add_argument("--scheduling", choices=["continuous", "static"])
     s.add_argument("--no-prefix-cache", action="store_true")
     s.add_argument("--ttft-target", type=float, metavar="S",
@@ -113,6 +117,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         sched = pool.scheduler
         if getattr(args, "max_waiting", None) is not None:
             sched = replace(sched, max_waiting=args.max_waiting)
+        if getattr(args, "max_running", None) is not None:
+            sched = replace(sched, max_running=args.max_running,
+                            static_batch_size=args.max_running)
         if getattr(args, "scheduling", None):
             sched = replace(sched, mode=args.scheduling)
         if getattr(args, "no_prefix_cache", False):

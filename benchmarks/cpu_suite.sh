@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving benchmarks of docs/benchmarks.md, on this machine's CPU with the embedded
-# model (f32). Spawns the servers itself; everything stays on 127.0.0.1. ~30 min on 2 cores.
+# model (f32). Spawns the servers itself; everything stays on 127.0.0.1. ~50 min on 2 cores.
 #   benchmarks/cpu_suite.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,11 +8,13 @@ OUT=${1:-bench-out/cpu-$(date +%Y%m%d-%H%M)}
 S=.venv/bin/sluice
 mkdir -p "$OUT"
 
-# 1. Continuous vs static vs no prefix cache on shared-prefix, over concurrency. Admission
-# by predicted TTFT is off in all three (--ttft-target 0): this compares how they batch,
+# 1. Continuous vs static vs no prefix cache on shared-prefix, over concurrency, and
+# continuous batching with static's 8 slots (same batch size, the policy alone). Admission
+# by predicted TTFT is off in all four (--ttft-target 0): this compares how they batch,
 # and each level starts its streams at once, a burst that admission would refuse. Two
 # warm-up requests first (not counted) put the system prompt in the cache, as in service.
 $S bench-sweep --spawn "continuous:--ttft-target 0" \
+  --spawn "continuous-8:--max-running 8 --ttft-target 0" \
   --spawn "static:--scheduling static --ttft-target 0" \
   --spawn "no-prefix-cache:--no-prefix-cache --ttft-target 0" --workload shared-prefix \
   --concurrencies "${CONCURRENCIES:-1,4,16}" --requests-per-stream 2 --warmup-requests 2 \
