@@ -152,33 +152,30 @@ def paged_attention_reference(
         return lax.fori_loop(0, blocks, own_block, carry)
 
 
-    def buffered_blocks(start, size, count, carry):
-        """`count` blocks of `size` tokens of the copy from token `start`, keys past
-        `buffered` masked."""
-        def body(j, carry):
-            at = start + j * size
-            kt = lax.dynamic_slice_in_dim(shared_kv[0], at, size, 2).astype(f32)
-            v = lax.dynamic_slice_in_dim(shared_kv[1], at, size, 1).astype(f32)
-            scores = jnp.einsum("kqd,kdt->kqt", q_all, kt)  # [kvh, g*s*nq, size]
-            k_pos = at + jnp.arange(size)
-            mask = (k_pos < buffered)[None, None, :] & all_valid[None, :, None]
-            return _online_update(*carry, scores, mask, v, "kqt,ktd->kqd")
-        return lax.fori_loop(0, count, body, carry)
+    def copy_keys(at, size):
+        """Scores and values of `size` tokens of the contiguous copy from token `at`."""
+        kt = lax.dynamic_slice_in_dim(shared_kv[0], at, size, 2).astype(f32)
+        v = lax.dynamic_slice_in_dim(shared_kv[1], at, size, 1).astype(f32)
+        return jnp.einsum("kqd,kdt->kqt", q_all, kt), v, "kqt,ktd->kqd"
 
-    def gathered_blocks(start, size, count, carry):
-        """`count` blocks of `size` tokens gathered from the shared pages from token
-        `start` (a page multiple), keys past `shared_len` masked."""
-        n = size // ps
-        def body(j, carry):
-            at = start + j * size
-            pages = lax.dynamic_slice_in_dim(shared_table, at // ps, n)
-            k = k_pages.reshape(num_pages, -1)[pages].reshape(size, kvh, d).astype(f32)
-            v = v_pages.reshape(num_pages, -1)[pages].reshape(size, kvh, d).astype(f32)
-            scores = jnp.einsum("kqd,tkd->kqt", q_all, k)  # [kvh, g*s*nq, size]
-            k_pos = at + jnp.arange(size)
-            mask = (k_pos < shared_len)[None, None, :] & all_valid[None, :, None]
-            return _online_update(*carry, scores, mask, v, "kqt,tkd->kqd")
-        return lax.fori_loop(0, count, body, carry)
+    def page_keys(at, size):
+        """The same, gathered from the shared pages from token `at` (a page multiple)."""
+        pages = lax.dynamic_slice_in_dim(shared_table, at // ps, size // ps)
+        k = k_pages.reshape(num_pages, -1)[pages].reshape(size, kvh, d).astype(f32)
+        v = v_pages.reshape(num_pages, -1)[pages].reshape(size, kvh, d).astype(f32)
+        return jnp.einsum("kqd,tkd->kqt", q_all, k), v, "kqt,tkd->kqd"
+
+    def shared_walk(keys, limit):
+        """A walk over blocks read by `keys`, keys at or past token `limit` masked."""
+        def walk(start, size, count, carry):
+            def body(j, carry):
+                at = start + j * size
+                scores, v, pv_spec = keys(at, size)  # scores: [kvh, g*s*nq, size]
+                k_pos = at + jnp.arange(size)
+                mask = (k_pos < limit)[None, None, :] & all_valid[None, :, None]
+                return _online_update(*carry, scores, mask, v, pv_spec)
+            return lax.fori_loop(0, count, body, carry)
+        return walk
 
     def blocks_of(start, length, carry, walk):
         """`length` tokens from `start`: whole big blocks, then the tail in small ones."""
@@ -193,8 +190,9 @@ def paged_attention_reference(
     carry = (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
              jnp.zeros((kvh, rows, d), f32))  # m, l: [kvh, g*s*nq]; acc: [.., d]
     if shared_kv is not None:
-        carry = blocks_of(jnp.int32(0), buffered, carry, buffered_blocks)
-    m1, l1, acc1 = blocks_of(buffered, shared_len - buffered, carry, gathered_blocks)
+        carry = blocks_of(jnp.int32(0), buffered, carry, shared_walk(copy_keys, buffered))
+    m1, l1, acc1 = blocks_of(buffered, shared_len - buffered, carry,
+                             shared_walk(page_keys, shared_len))
     m1 = m1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
