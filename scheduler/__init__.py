@@ -8,7 +8,10 @@ Module map (read in this order):
 - `request`: `Sequence`, one object per request, mutated only by the scheduler.
 - `pages`: `PageAllocator`, free list, ref counts, prefix cache, copy-on-write.
 - `fairness`: `FairQueue`, priority classes, per-tenant FIFOs and fair share.
-- `policy`: `Scheduler.schedule()`, the per-iteration plan; preemption by recompute.
+- `policy`: `Scheduler.schedule()`, the per-iteration plan; preemption by recompute; the
+  narrow queries (counts, cost estimates, cache hit rate) everything else reads.
+- `admission`: `Admission`, the door: queue bounds, predicted TTFT, Retry-After.
 - `output`: `OutputStream`, incremental text, stop strings, coalescing.
+- `step_log`: `StepRecord`s and the step totals behind `EngineStats`.
 - `engine`: `Engine`, the trio task per replica (the only module here importing trio).
 """

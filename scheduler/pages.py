@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable
 
-from .request import Sequence
+from .request import Phase, Sequence
 
 _ROOT_KEY = 0  # parent key of a sequence's first page
 
@@ -190,6 +190,29 @@ class PageAllocator:
                 break  # a hash collision: never serve someone else's K/V
             hits.append(page)
         return hits
+
+    def prefix_in_flight(self, seq: Sequence, num_hits: int,
+                         running: Iterable[Sequence]) -> bool:
+        """Is a running prefill about to compute the page this sequence misses first?
+
+        Many requests sharing a long system prompt often arrive together. Admitted at once,
+        each would compute the shared prefix itself; held back until the first one has
+        computed it, they all hit the cache and the step budget goes to new work. The
+        wait is short: prefills in progress get their chunks before anyone is admitted.
+        """
+        ps = self.page_size
+        end = (num_hits + 1) * ps  # the first missing page, if it is a full one
+        if not self.prefix_cache or seq.num_tokens < end:
+            return False
+        key = None
+        for other in running:
+            if (other.phase is Phase.PREFILL and other.num_computed_tokens < end
+                    and other.num_tokens >= end and other.cache_salt == seq.cache_salt):
+                if key is None:
+                    key = self.page_key(seq, num_hits)
+                if self.page_key(other, num_hits) == key:
+                    return True
+        return False
 
     def register(self, seq: Sequence, first: int, end: int) -> None:
         """Offer pages ``[first, end)`` of the sequence (now full and computed) to the

@@ -38,7 +38,7 @@ from config.settings import SchedulerConfig
 
 from .fairness import FairQueue
 from .pages import PageAllocator
-from .protocol import SampledToken, SeqChunk, StepLimits, StepPlan, StepResult
+from .protocol import SampledToken, StepLimits, StepPlan, StepResult
 from .request import Phase, Sequence
 from .step_cost import StepCostModel
 
@@ -90,6 +90,14 @@ class Scheduler:
         seq.phase = Phase.QUEUED
         self.waiting.push(seq)
 
+    def expired(self, now: float) -> list[Sequence]:
+        """Take out the waiting sequences past their queue deadline (the engine sheds them)."""
+        return self.waiting.expired(now)
+
+    def next_deadline(self) -> float | None:
+        return self.waiting.next_deadline()
+
+    # -- queries: all the engine and `Admission` read (never `waiting`, `pages`, `cost`) --
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -97,6 +105,40 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def waiting_tokens(self) -> int:  # tokens queued: what `max_waiting_tokens` bounds
+        return self.waiting.num_tokens
+
+    @property
+    def prefill_token_s(self) -> float | None:  # measured; None before a prefill step
+        return self.cost.prefill_token_s
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted tokens the prefix cache has served so far (0 before any)."""
+        pages = self.pages
+        return pages.hit_tokens / pages.query_tokens if pages.query_tokens else 0.0
+
+    def step_estimate(self, num_decode: int, prefill_tokens: int) -> float:
+        """Expected seconds of such a step (0 for the parts not measured yet)."""
+        return self.cost.estimate(num_decode, prefill_tokens)
+
+    def kv_capacity(self) -> tuple[int, int]:
+        """(usable KV pages, page size): a longer sequence could never be admitted."""
+        return self.pages.num_usable, self.pages.page_size
+
+    def usage(self, now: float) -> dict[str, float]:
+        """The `EngineStats` fields the scheduler owns: queue, running batch, KV pool."""
+        pages = self.pages
+        oldest = self.waiting.oldest_queued_at()
+        return dict(
+            running=self.num_running, waiting=self.num_waiting,
+            oldest_waiting_age_s=max(0.0, now - oldest) if oldest is not None else 0.0,
+            kv_pages_total=pages.num_usable, kv_pages_in_use=pages.num_in_use,
+            kv_pages_cached=pages.num_cached, kv_pages_free=pages.num_free,
+            prefix_cache_queries_tokens=pages.query_tokens,
+            prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions)
 
     # -- one iteration -------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -192,7 +234,7 @@ class Scheduler:
                     copies.append(pages.copy_on_write(table, idx))
                     batch.copied.append(seq)
             self.waiting.charge(seq, pos + 1)
-            chunks.append(self._chunk(seq, pos, 1))
+            chunks.append(seq.chunk(pos, 1))
             seqs.append(seq)
 
     def _schedule_prefill(self, seq: Sequence, batch: Batch, budget: int) -> int:
@@ -207,23 +249,9 @@ class Scheduler:
                 return 0  # wait for a page rather than preempt from the prefill side
             batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, idx))
             batch.copied.append(seq)
-        batch.plan.chunks.append(self._chunk(seq, start, n))
+        batch.plan.chunks.append(seq.chunk(start, n))
         batch.seqs.append(seq)
         return n
-
-    def _chunk(self, seq: Sequence, start: int, n: int) -> SeqChunk:
-        end = start + n
-        return SeqChunk(
-            seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start:end],
-            start_pos=start,
-            page_table=seq.kv_pages,  # the live list: nothing mutates it during the step
-            sample=end == len(seq.token_ids),
-            sampling=seq.sampling,
-            num_generated=len(seq.output_ids),
-            penalty_token_ids=seq.output_ids,
-            prompt_token_ids=seq.prompt_ids,
-        )
 
     # -- admission and preemption ----------------------------------------------------------
     def _admit(self, seq: Sequence, batch: Batch, *, wait_for_prefix: bool = True) -> bool | None:
@@ -231,7 +259,7 @@ class Scheduler:
         is better off waiting, because a running prefill is computing its next pages."""
         pages = self.pages
         hits = pages.match(seq)
-        if wait_for_prefix and self._prefix_in_flight(seq, len(hits)):
+        if wait_for_prefix and pages.prefix_in_flight(seq, len(hits), self.running.values()):
             return None
         num_tokens = seq.num_tokens
         cached = len(hits) * pages.page_size
@@ -273,29 +301,6 @@ class Scheduler:
             if seq is None or not self._admit(seq, batch, wait_for_prefix=False):
                 return
 
-    def _prefix_in_flight(self, seq: Sequence, num_hits: int) -> bool:
-        """Is a running prefill about to compute the page this sequence misses first?
-
-        Many requests sharing a long system prompt often arrive together. Admitted at once,
-        each would compute the shared prefix itself; held back until the first one has
-        computed it, they all hit the cache and the step budget goes to new work. The
-        wait is short: prefills in progress get their chunks before anyone is admitted.
-        """
-        pages = self.pages
-        ps = pages.page_size
-        end = (num_hits + 1) * ps  # the first missing page, if it is a full one
-        if not pages.prefix_cache or seq.num_tokens < end:
-            return False
-        key = None
-        for other in self.running.values():
-            if (other.phase is Phase.PREFILL and other.num_computed_tokens < end
-                    and other.num_tokens >= end and other.cache_salt == seq.cache_salt):
-                if key is None:
-                    key = pages.page_key(seq, num_hits)
-                if pages.page_key(other, num_hits) == key:
-                    return True
-        return False
-
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         """Recompute later: release the pages, back to the front of the line."""
         del self.running[seq.seq_id]
@@ -312,6 +317,11 @@ class Scheduler:
         batch.preempted.append(seq.seq_id)
 
     # -- after the step ------------------------------------------------------------------
+    def observe(self, batch: Batch, seconds: float) -> None:
+        """Feed the step's measured device time to the cost model."""
+        n = batch.num_decode
+        self.cost.observe(n, batch.plan.num_tokens - n, seconds)
+
     def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
         """Record what the step computed; returns the sequences that got a new token (the
         token already appended). Sequences aborted during the step are skipped."""

@@ -24,8 +24,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from .api import GenerateRequest
-from .protocol import SamplingParams
+from .api import FinishEvent, GenerateRequest
+from .protocol import SamplingParams, SeqChunk
 
 
 class Phase(enum.Enum):
@@ -118,6 +118,35 @@ class Sequence:
         """Sorts most urgent first; preemption takes victims from the other end
         (lowest priority, latest arrived)."""
         return (1 if self.batch else 0, self.priority, self.arrived_at, self.arrival_order)
+
+    def chunk(self, start: int, n: int) -> SeqChunk:
+        """What the runner gets to compute positions ``[start, start + n)``."""
+        end = start + n
+        return SeqChunk(
+            seq_id=self.seq_id,
+            token_ids=self.token_ids[start:end],
+            start_pos=start,
+            page_table=self.kv_pages,  # the live list: nothing mutates it during the step
+            sample=end == len(self.token_ids),
+            sampling=self.sampling,
+            num_generated=len(self.output_ids),
+            penalty_token_ids=self.output_ids,
+            prompt_token_ids=self.prompt_ids,
+        )
+
+    def finish_event(self) -> FinishEvent:
+        """The last event of a sequence that ended normally (set `finished_at` and
+        `finish_reason` first): its usage and timings."""
+        arrived = self.arrived_at
+        return FinishEvent(
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_generated,
+            cached_tokens=self.num_cached_tokens,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - arrived,
+            queue_s=None if self.admitted_at is None else self.admitted_at - arrived,
+            e2e_s=self.finished_at - arrived,
+        )
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, {self.phase.value}, tokens={self.num_tokens}, "

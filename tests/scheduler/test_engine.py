@@ -118,7 +118,7 @@ async def test_joins_within_one_iteration_and_leaves_in_its_last(nursery):
         seen += len(ev.token_ids)
         if seen >= 5:
             break
-    in_step, n0 = eng._in_step, len(eng.step_records)
+    in_step, n0 = eng._step_ends_at is not None, len(eng.step_records)
     short = eng.submit(GenerateRequest(prompt_ids=prompt(5, 3), max_tokens=3))
     sid = eng.seq_id_of(short.request_id)
     r = await collect(short)
@@ -367,7 +367,7 @@ async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
                  SchedulerConfig(max_running=1, ttft_target_s=5.0), clock=clock)
     eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=4))  # takes the slot
     for _ in range(3):  # one request finished every 2 s
-        eng._finish_times.append(clock())
+        eng.admission.completed(clock())
         clock.advance(2.0)
     eng.submit(GenerateRequest(prompt_ids=prompt(4, 2), max_tokens=4))  # 1 ahead: ~2 s
     eng.submit(GenerateRequest(prompt_ids=prompt(4, 3), max_tokens=4))  # 2 ahead: ~4 s
@@ -414,18 +414,16 @@ async def test_admission_predicts_time_to_first_token_own_prefill_included():
     assert eng.stats().waiting == 3
 
 
-async def test_expected_wait_counts_what_is_left_of_the_step_in_flight():
+async def test_submit_counts_what_is_left_of_the_step_in_flight():
+    """The engine tells admission when its step in flight should end (the arithmetic is
+    in test_admission.py)."""
     clock = FakeClock()
     eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
                  SchedulerConfig(max_running=8, ttft_target_s=1.0), clock=clock)
     eng.scheduler.cost.prefill_token_s = 0.01
     eng.submit(GenerateRequest(prompt_ids=prompt(30), max_tokens=4))  # 0.3 s ahead
-    assert eng._expected_wait() == pytest.approx(0.3)
-    eng._in_step, eng._step_ends_at = True, clock() + 0.5  # a step ends in 0.5 s
-    assert eng._expected_wait() == pytest.approx(0.8)
-    clock.advance(0.4)
-    assert eng._expected_wait() == pytest.approx(0.4)
-    with pytest.raises(Overloaded):  # 0.3 s ahead + 0.1 s of the step, 0.7 s its own
-        eng.submit(GenerateRequest(prompt_ids=prompt(70, 2), max_tokens=4))
-    eng._in_step = False  # without the step in flight it would have fitted
+    eng._step_ends_at = clock() + 0.1  # a step is in flight, ends in 0.1 s
+    with pytest.raises(Overloaded):  # 0.3 s ahead + 0.1 s of the step, 0.65 s its own
+        eng.submit(GenerateRequest(prompt_ids=prompt(65, 2), max_tokens=4))
+    eng._step_ends_at = None  # without the step in flight it fits
     eng.submit(GenerateRequest(prompt_ids=prompt(65, 3), max_tokens=4))

@@ -1,0 +1,192 @@
+"""The door of one replica: may a request join the waiting queue now, and if not, when
+should the client retry?
+
+`Engine.submit` asks `Admission.check` before queueing. In order:
+
+1. can this replica ever serve it: a prompt, at least one token to generate, prompt +
+   max_tokens within the context and the KV pool (ValueError; "too_long" is counted);
+2. the queue's bounds: `max_waiting` requests and `max_waiting_tokens` tokens
+   (Overloaded "queue_full" / "queue_tokens");
+3. for interactive requests only (batch jobs wait for idle capacity instead), the
+   predicted time to first token against `ttft_target_s` (Overloaded "queue_wait"):
+   refusing in microseconds lets the client go elsewhere, where queueing it would only
+   serve it late.
+
+The prediction is built from what the scheduler has measured, read through the narrow
+`SchedulerQueries` API (`policy.Scheduler` implements it): the running and waiting counts,
+the tokens waiting, the step-cost model's estimates and the prefix cache's hit rate.
+The engine passes when the step in flight is expected to end. The only state kept here
+is what the engine reports: when requests completed (for the completion rate behind
+Retry-After), and the refusal counts `EngineStats.rejections` shows.
+
+Pure Python and clock-agnostic (the engine passes its clock), so tests drive it with a
+fake clock and a fake scheduler. (Not to be confused with the policy's admission of a
+queued sequence into the running batch when its pages fit: that comes later, per step.)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Protocol
+
+from config.settings import SchedulerConfig
+
+from .api import GenerateRequest, Overloaded
+
+_RATE_WINDOW_S = 60.0  # completions older than this do not count toward the rate
+
+
+class SchedulerQueries(Protocol):
+    """All that admission reads of the scheduler."""
+
+    max_running: int
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def waiting_tokens(self) -> int: ...
+
+    @property
+    def prefill_token_s(self) -> float | None: ...
+
+    @property
+    def prefix_hit_rate(self) -> float: ...
+
+    def step_estimate(self, num_decode: int, prefill_tokens: int) -> float: ...
+
+    def kv_capacity(self) -> tuple[int, int]: ...
+
+
+class Admission:
+    """One replica's door; the engine owns one and tells it what it needs to know."""
+
+    def __init__(self, scheduler: SchedulerQueries, config: SchedulerConfig,
+                 clock: Callable[[], float], *, max_context: int) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self.clock = clock
+        self.max_context = max_context  # the runner's: prompt + generated tokens
+        self.finish_times: deque[float] = deque(maxlen=256)  # completions, for the rate
+        self.rejections: dict[str, int] = {}  # refusals by reason (Overloaded.reason, "shed")
+
+    # -- what the engine reports -------------------------------------------------------
+    def completed(self, at: float) -> None:
+        """A request finished normally (stop or length); aborts and errors say nothing
+        about how fast the replica serves."""
+        self.finish_times.append(at)
+
+    def count(self, reason: str) -> None:
+        """Count a refusal: at the door, a request too long to ever fit, or a shed one."""
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def refuse(self, reason: str, retry_after_s: float, message: str = "") -> Overloaded:
+        """The exception to raise for a refusal (counted)."""
+        self.count(reason)
+        return Overloaded(reason, retry_after_s, message)
+
+    # -- the door ----------------------------------------------------------------------
+    def check(self, req: GenerateRequest, *, step_ends_at: float | None = None) -> None:
+        """Raise ValueError for a request this replica can never serve, `Overloaded` for
+        one it should not queue now; return to let it in. `step_ends_at`: when the step
+        in flight is expected to end (None: no step in flight)."""
+        self.validate(req)
+        sched, cfg = self.scheduler, self.config
+        prompt_tokens = len(req.prompt_ids)
+        if sched.num_waiting >= cfg.max_waiting:
+            raise self.refuse("queue_full", self.retry_after())
+        if sched.waiting_tokens + prompt_tokens > cfg.max_waiting_tokens:
+            raise self.refuse("queue_tokens", self.retry_after())
+        if not req.batch:
+            self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise ValueError unless the request could be served here, however idle."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens={req.max_tokens} must be >= 1")
+        limit = self.max_context
+        if n + req.max_tokens > limit:
+            self.count("too_long")
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                             f"the context limit of {limit} tokens")
+        num_pages, page_size = self.scheduler.kv_capacity()
+        if n + req.max_tokens > num_pages * page_size:  # more pages than the pool has
+            self.count("too_long")
+            raise ValueError(f"prompt + max_tokens ({n + req.max_tokens} tokens) does not fit "
+                             f"in this replica's KV cache ({num_pages} pages of {page_size})")
+
+    def check_ttft(self, prompt_tokens: int, *, step_ends_at: float | None = None) -> None:
+        """Refuse a request whose first token would likely come later than
+        `ttft_target_s`: the expected wait for the work ahead of it, plus its own step
+        (its prompt, less the cache's recent hit rate, at the measured cost of a prefill
+        token, beside the running decodes at their measured step time). A prompt too long
+        to meet the target even alone is judged on the wait alone: it is served when the
+        replica has room, however long its prefill takes. Retry-After is the wait."""
+        target = self.config.ttft_target_s
+        if target <= 0:
+            return  # admission by predicted TTFT is off
+        wait = self.expected_wait(step_ends_at=step_ends_at)
+        if wait is None or wait <= 0.0:
+            return
+        own = (self.prefill_estimate(prompt_tokens)
+               + self.scheduler.step_estimate(self.scheduler.num_running, 0))
+        ttft = wait + own if own <= target else wait
+        if ttft > target:
+            raise self.refuse("queue_wait", wait, f"expected time to first token "
+                                                  f"{ttft:.1f}s exceeds {target:g}s "
+                                                  f"(queue wait {wait:.1f}s); retry later")
+
+    # -- the estimates -----------------------------------------------------------------
+    def expected_wait(self, *, step_ends_at: float | None = None) -> float | None:
+        """Seconds before a new request would likely start its prefill, counting the
+        work ahead of it: requests waiting beyond the free running slots (over the recent
+        completion rate), the tokens waiting ahead of it (discounted by the prefix-cache
+        hit rate) at the measured cost of a prefill token, and what is left of the step in
+        flight (expected to end at `step_ends_at`). Prompts already running are not ahead
+        of it: their chunks share steps with newcomers (a 6,000-token prefill in progress
+        does not delay a short question's admission). None when there is no estimate yet
+        (the count bound still applies)."""
+        sched = self.scheduler
+        wait: float | None = None
+        ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
+        if ahead <= 0:
+            wait = 0.0
+        elif (rate := self.completion_rate()) is not None:
+            wait = ahead / rate
+        if sched.prefill_token_s:
+            wait = (wait or 0.0) + self.prefill_estimate(sched.waiting_tokens)
+        if wait is not None and wait > 0.0 and step_ends_at is not None:
+            wait += max(0.0, step_ends_at - self.clock())  # the step in flight
+        return wait
+
+    def prefill_estimate(self, tokens: float) -> float:
+        """Seconds to prefill `tokens` prompt tokens, discounted by the prefix cache's
+        hit rate so far, at the measured per-token cost (0 before any is measured)."""
+        per_token = self.scheduler.prefill_token_s
+        if not per_token:
+            return 0.0
+        return tokens * (1.0 - self.scheduler.prefix_hit_rate) * per_token
+
+    def completion_rate(self) -> float | None:
+        """Requests completed per second over the last minute; None with too few."""
+        now = self.clock()
+        times = self.finish_times
+        while times and now - times[0] > _RATE_WINDOW_S:
+            times.popleft()
+        if len(times) < 2 or now <= times[0]:
+            return None
+        return len(times) / (now - times[0])
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has likely drained: waiting requests over the recent
+        completion rate (1 s when nothing completed recently), clamped to [0.1, 60]."""
+        rate = self.completion_rate()
+        if rate is None:
+            return 1.0
+        return min(60.0, max(0.1, (self.scheduler.num_waiting + 1) / rate))

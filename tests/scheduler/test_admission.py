@@ -1,0 +1,147 @@
+"""The door's arithmetic (scheduler/admission.py), with a fake clock and a fake scheduler:
+what is ahead, the TTFT prediction, the step in flight, Retry-After. The engine tests
+check the same rules end to end through `submit`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from config.settings import SchedulerConfig
+from scheduler.admission import Admission
+from scheduler.api import Overloaded
+
+from .fake_runner import FakeRunner
+from .sim import FakeClock, Sim
+
+
+@dataclass
+class FakeQueries:
+    """Answers `SchedulerQueries` with whatever a test sets."""
+
+    max_running: int = 4
+    num_running: int = 0
+    num_waiting: int = 0
+    waiting_tokens: int = 0
+    prefill_token_s: float | None = None
+    prefix_hit_rate: float = 0.0
+    decode_step_s: float = 0.0  # a decode-only step's time, whatever its size
+
+    def step_estimate(self, num_decode: int, prefill_tokens: int) -> float:
+        decode = self.decode_step_s if num_decode else 0.0
+        return decode + prefill_tokens * (self.prefill_token_s or 0.0)
+
+    def kv_capacity(self) -> tuple[int, int]:
+        return 1000, 16
+
+
+def door(ttft_target_s: float = 1.0, **queries) -> tuple[Admission, FakeQueries, FakeClock]:
+    sched, clock = FakeQueries(**queries), FakeClock()
+    cfg = SchedulerConfig(ttft_target_s=ttft_target_s)
+    return Admission(sched, cfg, clock, max_context=4096), sched, clock
+
+
+def completions(adm: Admission, clock: FakeClock, n: int, every_s: float) -> None:
+    """`n` requests completed, one every `every_s`, the last one `every_s` ago."""
+    for _ in range(n):
+        adm.completed(clock())
+        clock.advance(every_s)
+
+
+def test_free_running_slots_absorb_the_queue_so_nothing_is_ahead():
+    # 2 waiting, 3 free slots: all start next step. Even a slow replica with a step in
+    # flight and a prompt far too long for the target admits it.
+    adm, _, clock = door(max_running=4, num_running=1, num_waiting=2)
+    completions(adm, clock, 3, every_s=30.0)
+    assert adm.expected_wait(step_ends_at=clock() + 5.0) == 0.0
+    adm.check_ttft(10_000, step_ends_at=clock() + 5.0)
+    assert adm.rejections == {}
+
+
+def test_no_estimate_yet_admits():
+    # Something is ahead, but nothing finished and no prefill was measured: no guess.
+    adm, _, _ = door(max_running=1, num_running=1, num_waiting=5)
+    assert adm.expected_wait() is None
+    adm.check_ttft(100)
+
+
+def test_own_step_beside_the_running_decodes_tips_the_prediction_over():
+    # Completion rate 5 in 10 s; 2 ahead (1 waiting + itself, no free slot): 4 s, plus
+    # 10 waiting tokens at 10 ms: 4.1 s. Its own step: 60 tokens (0.6 s) beside the
+    # running decodes (0.5 s) gives 5.2 s > 5 s. Retry-After is the wait, not the TTFT.
+    adm, sched, clock = door(ttft_target_s=5.0, max_running=2, num_running=2, num_waiting=1,
+                             waiting_tokens=10, prefill_token_s=0.01, decode_step_s=0.5)
+    completions(adm, clock, 5, every_s=2.0)
+    assert adm.completion_rate() == pytest.approx(0.5)
+    assert adm.expected_wait() == pytest.approx(4.1)
+    with pytest.raises(Overloaded) as e:
+        adm.check_ttft(60)
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(4.1)
+    assert "5.2s exceeds 5s (queue wait 4.1s)" in str(e.value)
+    assert adm.rejections == {"queue_wait": 1}
+    # Half the prompt tokens served by the prefix cache: 4.05 s + 0.3 s + 0.5 s < 5 s.
+    sched.prefix_hit_rate = 0.5
+    adm.check_ttft(60)
+
+
+def test_a_prompt_too_long_for_the_target_alone_is_judged_on_the_wait():
+    adm, sched, _ = door(ttft_target_s=1.0, max_running=1, num_running=1, num_waiting=1,
+                         waiting_tokens=90, prefill_token_s=0.01)
+    adm.check_ttft(500)  # 5 s of its own, never < 1 s: only the 0.9 s wait counts
+    with pytest.raises(Overloaded):
+        adm.check_ttft(20)  # 0.9 s + 0.2 s of its own: a short one is refused
+    sched.waiting_tokens = 110  # 1.1 s of prefill ahead: now the long one waits too long
+    with pytest.raises(Overloaded) as e:
+        adm.check_ttft(500)
+    assert e.value.retry_after_s == pytest.approx(1.1)
+
+
+def test_what_is_left_of_the_step_in_flight_counts():
+    adm, _, clock = door(ttft_target_s=1.0, waiting_tokens=30, prefill_token_s=0.01)
+    assert adm.expected_wait() == pytest.approx(0.3)
+    ends = clock() + 0.5
+    assert adm.expected_wait(step_ends_at=ends) == pytest.approx(0.8)
+    clock.advance(0.4)
+    assert adm.expected_wait(step_ends_at=ends) == pytest.approx(0.4)
+    with pytest.raises(Overloaded):  # 0.3 s ahead + 0.1 s of the step + 0.7 s its own
+        adm.check_ttft(70, step_ends_at=ends)
+    adm.check_ttft(65)  # without the step in flight it would have fitted
+    clock.advance(1.0)  # the step overran its estimate: it adds nothing, never less
+    assert adm.expected_wait(step_ends_at=ends) == pytest.approx(0.3)
+
+
+def test_retry_after_is_one_second_without_history_and_clamped():
+    adm, sched, clock = door(num_waiting=9)
+    assert adm.retry_after() == 1.0  # nothing completed
+    adm.completed(clock())
+    assert adm.retry_after() == 1.0  # one completion is no rate
+    adm.completed(clock())
+    assert adm.retry_after() == 1.0  # two at this very instant: no rate either
+    clock.advance(0.001)  # 2 completions in 1 ms: 10 requests would take 5 ms
+    assert adm.retry_after() == 0.1
+    clock.advance(50.0)  # 2 in 50 s: 10 requests take 250 s
+    assert adm.retry_after() == 60.0
+    sched.num_waiting = 0
+    assert adm.retry_after() == pytest.approx(25.0, abs=0.01)  # 1 request at 0.04/s
+    clock.advance(11.0)  # completions older than a minute are forgotten
+    assert adm.retry_after() == 1.0 and not adm.finish_times
+
+
+def test_the_real_scheduler_answers_the_queries():
+    runner = FakeRunner(num_pages=64)  # 63 usable pages of 4
+    sim = Sim(runner, SchedulerConfig())
+    sched = sim.sched
+    assert sched.kv_capacity() == (63, 4)
+    assert sched.prefill_token_s is None and sched.step_estimate(3, 100) == 0.0
+    assert sched.prefix_hit_rate == 0.0
+    system = list(range(1, 13))
+    sim.submit(system + [50], max_tokens=2)
+    sim.submit(list(range(20, 27)), max_tokens=2)
+    assert (sched.num_waiting, sched.waiting_tokens, sched.num_running) == (2, 13 + 7, 0)
+    sim.run()
+    sim.submit(system + [60], max_tokens=2)
+    sim.run()  # 12 of its 13 tokens are prefix-cache hits
+    assert sched.prefix_hit_rate == pytest.approx(12 / (13 + 7 + 13))
+    adm = Admission(sched, SchedulerConfig(), sim.clock, max_context=runner.max_context)
+    adm.check_ttft(100)  # nothing ahead
