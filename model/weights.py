@@ -19,89 +19,17 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+# The loading API: what `load_model` returns and raises, and the tree helpers loaders use.
+from .base import (LoadedModel, ModelLoadError, check_shape, flatten, param_shapes,
+                   resolve_dtype, unflatten)
 from .config import ModelConfig
 
-if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
-
-
-class ModelLoadError(Exception):
-    """A model could not be loaded; the message names the file and, if any, the tensor."""
-
-
-@dataclass
-class LoadedModel:
-    config: ModelConfig
-    params: dict  # the tree described in model/config.py
-    tokenizer: "Tokenizer | None"
-    source: str
-
-
-# ---- the parameter tree ------------------------------------------------------------------
-
-
-def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Flat names ("embed", "layers.3.wq", ...) of every parameter with its shape."""
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    qd, kd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed": (v, h), "final_norm": (h,)}
-    if not config.tie_embeddings:
-        shapes["lm_head"] = (h, v)
-    layer = {
-        "attn_norm": (h,), "wq": (h, qd), "wk": (h, kd), "wv": (h, kd), "wo": (qd, h),
-        "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
-    }  # fmt: skip
-    if config.qkv_bias:
-        layer |= {"bq": (qd,), "bk": (kd,), "bv": (kd,)}
-    for n in range(config.num_layers):
-        shapes |= {f"layers.{n}.{k}": s for k, s in layer.items()}
-    return shapes
-
-
-def unflatten(flat: dict[str, Any], config: ModelConfig) -> dict:
-    tree: dict = {"layers": [{} for _ in range(config.num_layers)]}
-    for name, value in flat.items():
-        if name.startswith("layers."):
-            _, n, key = name.split(".", 2)
-            tree["layers"][int(n)][key] = value
-        else:
-            tree[name] = value
-    return tree
-
-
-def flatten(tree: dict) -> Iterator[tuple[str, Any]]:
-    for name, value in tree.items():
-        if name == "layers":
-            for n, layer in enumerate(value):
-                for key, v in layer.items():
-                    yield f"layers.{n}.{key}", v
-        else:
-            yield name, value
-
-
-def check_shape(array: np.ndarray, expected: tuple[int, ...], file: object, tensor: str) -> None:
-    if tuple(array.shape) != tuple(expected):
-        raise ModelLoadError(
-            f"{file}: tensor {tensor} has shape {tuple(array.shape)}, expected {tuple(expected)}"
-        )
-
-
-def resolve_dtype(dtype) -> np.dtype:
-    """np.float32 by default; "bfloat16" through ml_dtypes (numpy has no bf16 of its own)."""
-    if dtype is None:
-        return np.dtype(np.float32)
-    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"f32": "float32", "f16": "float16"}.get(dtype, dtype))
-
+__all__ = ["LoadedModel", "ModelLoadError", "check_shape", "flatten", "init_random_params",
+           "load_model", "param_shapes", "resolve_dtype", "unflatten"]
 
 # ---- random weights ----------------------------------------------------------------------
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..base import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
+from ..base import unflatten
 from ..config import ModelConfig
 from ..progress import progress as _progress
-from ..weights import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
-from ..weights import unflatten
+from .gguf_tokenizer import tokenizer_from_gguf
 
 SUPPORTED = ("llama", "qwen2")
 _LAYER_NAMES = {
@@ -143,8 +144,6 @@ def _config(path: Path, **fields) -> ModelConfig:
 def load_gguf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedModel:
     from gguf.quants import dequantize
 
-    from ..tokenizer import Tokenizer
-
     path = Path(path)
     dt = resolve_dtype(dtype)
     with _progress(progress) as p:
@@ -154,7 +153,7 @@ def load_gguf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedM
         config = config_from_gguf(reader, path, set(tensors))
         tokenizer = None
         if "tokenizer.ggml.tokens" in reader.fields:
-            tokenizer = Tokenizer.from_gguf(reader)
+            tokenizer = tokenizer_from_gguf(reader)
             config = _with_special_ids(config, tokenizer)
         rope_scaling = _llama3_rope_scaling(tensors, config, path)
         if rope_scaling is not None:

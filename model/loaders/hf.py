@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..base import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
+from ..base import unflatten
 from ..config import ModelConfig
 from ..progress import progress as _progress
-from ..weights import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
-from ..weights import unflatten
+from ..tokenizer import Tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 _LAYER_NAMES = {
@@ -142,7 +143,6 @@ def _cut_off_tensor(f: Path) -> str | None:
 
 
 def load_hf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedModel:
-    from ..tokenizer import Tokenizer
 
     path = Path(path)
     dt = resolve_dtype(dtype)

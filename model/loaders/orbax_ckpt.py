@@ -24,10 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..base import LoadedModel, ModelLoadError, check_shape, flatten, param_shapes
+from ..base import resolve_dtype
 from ..config import ModelConfig
 from ..progress import progress as _progress
-from ..weights import LoadedModel, ModelLoadError, check_shape, flatten, param_shapes
-from ..weights import resolve_dtype
+from ..tokenizer import Tokenizer
 
 CONFIG_FILE = "sluice_model.json"
 FORMAT = 1
@@ -66,7 +67,6 @@ def save_orbax(loaded: LoadedModel, dst: str | Path, progress: bool = True) -> P
 def load_orbax(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedModel:
     import orbax.checkpoint as ocp
 
-    from ..tokenizer import Tokenizer
 
     path = Path(path).expanduser().resolve()
     meta_file = path / CONFIG_FILE

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from model.loaders.gguf_tokenizer import tokenizer_from_gguf
 from model.tokenizer import ChatTemplateError, Tokenizer
 
 gguf = pytest.importorskip("gguf")  # absent on the accelerator image (NOTES.md)
@@ -216,7 +217,7 @@ def test_gguf_pre_tokenizers(tmp_path, pre, pieces):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     _finish(w)
-    t = Tokenizer.from_gguf(path)
+    t = tokenizer_from_gguf(path)
     assert [p for p, _ in t.hf.pre_tokenizer.pre_tokenize_str("12345 ab")] == pieces
     ids = t.encode("12345 ab")
     assert ids[-1] == 260 and t.decode(ids) == "12345 ab"  # "Ġab" through two merges
@@ -246,7 +247,7 @@ def test_gguf_sentencepiece_vocab(tmp_path):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     _finish(w)
-    t = Tokenizer.from_gguf(path)
+    t = tokenizer_from_gguf(path)
     ids = t.encode("hello world")
     assert [t.id_to_token(i) for i in ids] == ["▁hello", "▁world"]
     assert t.encode("hello", add_special_tokens=True)[0] == 1
