@@ -1,14 +1,18 @@
 """Building real pools: load weights, make a runner per replica, warm up, wrap in engines.
 
-This is the only app/ module that imports model/ (and so JAX), and only inside functions,
-so the HTTP layer, its tests and `sluice chat` start without JAX. Loading and compiling
-are blocking CPU work: `load_pools` runs them in a worker thread, so the event loop keeps
-answering /health ("loading") meanwhile.
+With app/cli.py's `bench-engine`, the only app/ module that imports model/ (and so JAX),
+and only inside functions, so the HTTP layer, its tests and `sluice chat` start without
+JAX. Loading and compiling are blocking CPU work: `load_pools` runs them in a worker
+thread, so the event loop keeps answering /health ("loading") meanwhile.
+
+Warm-up (docs/operations.md, "Start-up"): a replica is ready once its essential shapes
+are compiled (a few seconds); with `warmup = "background"` the rest compile in a thread
+while it serves, and /health, /metrics and the ready line say how many are left.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
@@ -16,37 +20,35 @@ from config.settings import PoolConfig, Settings
 
 from .pools import Pool
 
-def build_pool(cfg: PoolConfig, show_progress: bool = True) -> Pool:
-    """Load `cfg.model` and build `cfg.replicas` warmed-up engines (blocking).
 
-    Progress goes to stderr through model/progress.py, one display at a time (rich allows
-    one live display): the loader's own, then one bar per replica's warmup.
-    """
+def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | None = None,
+               first_prompts: Callable[[Any], list[int]] | None = None) -> Pool:
+    """Load `cfg.model` and build `cfg.replicas` engines, warmed up (blocking).
+
+    `warmup` (default `cfg.warmup`): "full" compiles every shape before returning;
+    "background" the essential ones (`ModelRunner.warm_essential`), then the rest in a
+    background thread; "essential" only those (`sluice generate`). `first_prompts(tokenizer)`
+    gives the prompt lengths the first steps will carry (default: a 64-token question), so
+    their shapes are among the essential ones. Progress goes to stderr through
+    model/progress.py, one display at a time (rich allows one live display): the
+    loader's own, then one bar per replica's warm-up."""
     from model.progress import progress
     from model.runner import ModelRunner, enable_compilation_cache
     from model.weights import load_model
     from scheduler.engine import Engine
 
     enable_compilation_cache()
+    warmup = warmup or cfg.warmup
     loaded = load_model(cfg.model, progress=show_progress)
     if loaded.tokenizer is None:
         raise ValueError(f"pool {cfg.name!r}: {cfg.model} has no tokenizer to serve text with")
+    tokenizer, config = loaded.tokenizer, loaded.config
+    runners = [ModelRunner.for_pool(config, loaded.params, cfg,
+                                    eos_token_ids=tokenizer.eos_token_ids)
+               for _ in range(cfg.replicas)]
+    del loaded  # the runners hold the weights now, in their own layout
     engines: list[Any] = []
-    runner = None
-    for i in range(cfg.replicas):
-        runner = ModelRunner(
-            loaded.config,
-            loaded.params,
-            eos_token_ids=loaded.tokenizer.eos_token_ids,
-            page_size=cfg.page_size,
-            kv_cache_bytes=cfg.kv_cache_bytes,
-            max_context=cfg.max_context,
-            decode_buckets=cfg.decode_buckets,
-            prefill_buckets=sorted({tokens for _, tokens in cfg.prefill_buckets}),
-            max_prefill_seqs=max(seqs for seqs, _ in cfg.prefill_buckets),
-            dtype=cfg.dtype,
-            attention_impl=None if cfg.attention == "auto" else cfg.attention,
-        )
+    for i, runner in enumerate(runners):
         what = f"{cfg.name}: warm up replica {i + 1}/{cfg.replicas}"
         with progress(show_progress) as bar:
             task = bar.add_task(what, total=None)
@@ -54,13 +56,20 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True) -> Pool:
             def report(step: str, done: int, total: int) -> None:
                 bar.update(task, description=f"{what}: {step}", completed=done, total=total)
 
-            runner.warmup(report)
-        engines.append(Engine(runner, loaded.tokenizer, cfg.scheduler, name=f"{cfg.name}/{i}"))
-    assert runner is not None
+            if warmup == "full":
+                runner.warmup(progress=report)
+            else:
+                lengths = first_prompts(tokenizer) if first_prompts else [64]
+                runner.warm_essential(lengths, progress=report)
+        engines.append(Engine(runner, tokenizer, cfg.scheduler, name=f"{cfg.name}/{i}"))
+    if warmup == "background":
+        for runner in runners:
+            runner.warm_in_background()
+    runner = runners[0]
     # A request must fit one replica's KV pool whole (page 0 is the null page).
     max_context = min(runner.max_context, (runner.num_pages - 1) * runner.page_size)
-    return Pool(cfg, loaded.tokenizer, engines, max_context=max_context,
-                vocab_size=loaded.config.vocab_size)
+    return Pool(cfg, tokenizer, engines, max_context=max_context,
+                vocab_size=config.vocab_size)
 
 
 async def load_pools(settings: Settings, show_progress: bool = True) -> list[Pool]:

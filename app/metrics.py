@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ class Metrics:
                           "Time a request waited in the engine's queue, seconds.",
                           _REQUEST_BUCKETS)
         self.registry.register(_EngineCollector(self))
+        # process_resident_memory_bytes, CPU seconds, open fds: the server's own footprint.
+        ProcessCollector(registry=self.registry)
 
     def reject(self, model: str, pool: str, reason: str) -> None:
         self.app_rejections[(model, pool, reason)] += 1
@@ -94,6 +96,8 @@ class _EngineCollector:
         real = counter("step_real_tokens", "Tokens computed in steps that belonged to requests.")
         padded = counter("step_padded_tokens",
                          "Tokens computed in steps, bucket padding included.")
+        warming = gauge("warmup_remaining_shapes",
+                        "Step shapes still compiling in the background (0: warm-up done).")
 
         router = self.metrics.router
         reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
@@ -117,10 +121,11 @@ class _EngineCollector:
             gen.add_metric(lv, sum(s.generation_tokens for s in stats))
             real.add_metric(lv, sum(s.real_tokens for s in stats))
             padded.add_metric(lv, sum(s.padded_tokens for s in stats))
+            warming.add_metric(lv, pool.warmup_remaining)
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
         for (model, pool_name, reason), n in sorted(reasons.items()):
             rejected.add_metric([model, pool_name, reason], n)
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
-                    hits, preempt, prompt, gen, rejected, real, padded)
+                    hits, preempt, prompt, gen, rejected, real, padded, warming)

@@ -61,6 +61,11 @@ class Pool:
     def alive(self) -> bool:
         return all(e.alive for e in self.engines)
 
+    @property
+    def warmup_remaining(self) -> int:
+        """Step shapes the replicas are still compiling in the background (0: all ready)."""
+        return sum(getattr(e.runner, "warmup_remaining", 0) for e in self.engines)
+
     def accepts(self, prompt_tokens: int) -> bool:
         c = self.config
         return c.min_prompt_tokens <= prompt_tokens and (

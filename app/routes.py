@@ -75,7 +75,10 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
             return json_response(Health("draining"), 503)
         if state.router is None or not state.router.alive:
             return json_response(Health("engine_dead", "an engine loop has stopped"), 503)
-        return json_response(Health("ok"))
+        warming = sum(p.warmup_remaining for p in state.router.pools)
+        detail = f"serving; {warming} step shapes still compiling in the background" \
+            if warming else ""
+        return json_response(Health("ok", detail, warming))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -223,6 +223,9 @@ class DetokenizeResponse(msgspec.Struct):
 class Health(msgspec.Struct):
     status: str  # "ok" | "loading" | "draining" | "engine_dead"
     detail: str = ""
+    # Step shapes still compiling in the background: the server already serves, some
+    # steps padded to a bigger shape until they are done (docs/operations.md).
+    warmup_remaining_shapes: int = 0
 
 
 # ------------------------------------------------------------------------------ decoding

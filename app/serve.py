@@ -28,8 +28,12 @@ def _console():
 
 
 def serve(settings: Settings) -> int:
+    from model.host_memory import limit_arenas
+
     from .loading import load_pools
     from .server import run_server
+
+    limit_arenas()  # before JAX and the compile threads start (model/host_memory.py)
 
     logging.basicConfig(level=logging.WARNING,  # libraries' INFO chatter (jax) stays out
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -46,11 +50,14 @@ def serve(settings: Settings) -> int:
 
     def ready(binds: list[str]) -> None:
         url = binds[0].replace("0.0.0.0", "127.0.0.1")
+        warming = sum(p.warmup_remaining for p in state.router.pools) if state.router else 0
+        more = (f" ({warming} more step shapes compiling in the background; /health counts "
+                "them down)" if warming else "")
         body = json.dumps({"model": names[0], "messages": [
             {"role": "user", "content": "What is the capital of France?"}]})
         auth = " -H 'Authorization: Bearer $KEY'" if settings.tenants else ""
         console.print(
-            f"[bold green]ready[/] on {url} serving {', '.join(names)}\n"
+            f"[bold green]ready[/] on {url} serving {', '.join(names)}{more}\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'\n"
             f"  or: sluice chat --url {url}    (Ctrl-C here drains and stops)",
@@ -69,9 +76,14 @@ def generate(settings: Settings, prompt: str, *, max_tokens: int, temperature: f
 
     from .loading import build_pool
 
-    pool = build_pool(settings.pools[0])
+    def encode(tok) -> list[int]:
+        return tok.encode(prompt) if raw else tok.encode_chat([{"role": "user", "content": prompt}])
+
+    # Only what this one answer needs is compiled: seconds, not the server's warm-up.
+    pool = build_pool(settings.pools[0], warmup="essential",
+                      first_prompts=lambda tok: [len(encode(tok))])
     tok = pool.tokenizer
-    ids = tok.encode(prompt) if raw else tok.encode_chat([{"role": "user", "content": prompt}])
+    ids = encode(tok)
     max_tokens = max(1, min(max_tokens, pool.max_context - len(ids)))
     status = 0
 

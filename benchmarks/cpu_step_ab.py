@@ -35,7 +35,7 @@ from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 
 VARIANTS = {
     # Before: every prefill block walked as far as the step's longest one.
-    "pf-ungrouped": dict(group_prefill_blocks=False),
+    "pf-ungrouped": dict(attention_options=dict(group_prefill_blocks=False)),
     "default": {},
 }
 SYSTEM, SEQS, QUESTION = 2000, 16, 70
@@ -53,11 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         r = ModelRunner(loaded.config, loaded.params, page_size=16, kv_cache_bytes=1 << 30,
                         decode_buckets=[4, SEQS], prefill_buckets=(80, 256), dtype="float32",
                         **kw)
-        for b in r.buckets():
-            if b.dec_seqs in (0, 4, SEQS):
-                r._warm_forward(b)
-        for key in r._sampler_keys():
-            r._warm_sampler(key)
+        r.warmup([b for b in r.buckets() if b.dec_rows in (0, 4, SEQS)])
         runners[name] = r
 
     ps = 16

@@ -6,7 +6,7 @@ raised as `ConfigError` so the CLI can print one line instead of a traceback.
 
 `load_settings()` with no path reads ``config/default.toml``: one pool serving the embedded
 SmolLM2 model, no tenants (every request is the anonymous tenant), no guardrails.
-`Settings()` is the same shape with the library defaults (tests start from it).
+`Settings()` equals it (a test checks): the preset writes the defaults out, with comments.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     static_batch_size: int = 8  # static mode: gather up to N, run all to completion
     # Per-step caps. The sequence cap comes from the inter-token-latency target: more
     # sequences per step make every step (and so every token gap) longer.
-    max_step_tokens: int = 512  # decode tokens + prefill tokens in one step
-    max_running: int = 64  # sequences decoding at once
-    max_waiting: int = 256  # bounded queue: requests
+    max_step_tokens: int = 272  # decode tokens + prefill tokens: 16 + a 256-token chunk
+    max_running: int = 16  # sequences decoding at once (also capped by the decode buckets)
+    max_waiting: int = 64  # bounded queue: requests
     max_waiting_tokens: int = 2_000_000  # bounded queue: prompt tokens waiting
     queue_deadline_s: float = 30.0  # shed a request that waited longer than this
     # Refuse (429) at submit when the predicted time to first token (expected queue wait
@@ -90,17 +90,30 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default_max_tokens: Positive | None = None
     page_size: Positive = 16
     kv_cache_bytes: Positive = 512 * 1024 * 1024
-    # Compiled step shapes, warmed up at start: steady state never compiles.
+    # Compiled step shapes: a step of d decoding sequences and p prompt tokens runs in the
+    # smallest compiled shape that holds it. Compiled: each decode bucket alone, and each
+    # prefill bucket beside each of `mixed_decode_buckets` decodes (0: prompt-only steps).
+    # Each shape costs ~1-2 s of compile and ~20 MB of host memory on the CPU; the
+    # padding a coarser set costs is measured in docs/benchmarks.md. Steady state never
+    # compiles.
     decode_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1, 4, 8, 16]
     )
-    # Each [seqs, tokens]: a prefill shape carrying up to `seqs` prompt chunks and up to
-    # `tokens` tokens in all.
-    prefill_buckets: Annotated[
-        list[tuple[Positive, Positive]], msgspec.Meta(min_length=1)
-    ] = msgspec.field(default_factory=lambda: [(4, n) for n in (16, 32, 48, 64, 80, 96, 128, 256)])
+    # Prompt tokens in a step, padded up to one of these (each a multiple of 16, the
+    # attention's query block); up to `max_prefill_seqs` prompts' chunks share a step.
+    prefill_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: [16, 32, 48, 64, 80, 96, 128, 256]
+    )
+    mixed_decode_buckets: Annotated[list[NonNegative], msgspec.Meta(min_length=1)] = (
+        msgspec.field(default_factory=lambda: [4, 16]))
+    max_prefill_seqs: Positive = 4
+    # "background": serve once the few shapes a first request needs are compiled (seconds)
+    # and compile the rest in a background thread; a step uses the smallest ready shape.
+    # "full": compile every shape before serving (minutes on a 2-core CPU).
+    warmup: Literal["background", "full"] = "background"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
-    attention: Literal["auto", "reference", "pallas", "pallas_interpret"] = "auto"
+    # Attention backend (pallas_kernels): auto = "pallas" on a GPU, "cpu" elsewhere.
+    attention: Literal["auto", "cpu", "pallas", "pallas_interpret", "dense"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()
     # Prompt-length routing: a request goes to a pool serving its model whose range holds
     # the prompt (e.g. a long-context pool with min_prompt_tokens = 8192).
@@ -108,6 +121,14 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_prompt_tokens: Positive | None = None
 
     def __post_init__(self) -> None:
+        odd = [b for b in self.prefill_buckets if b % 16]
+        if odd:
+            raise ValueError(f"prefill_buckets must be multiples of 16 (the attention's "
+                             f"query block): {odd}")
+        if max(self.mixed_decode_buckets) != max(self.decode_buckets):
+            raise ValueError(f"mixed_decode_buckets {self.mixed_decode_buckets} must include "
+                             f"the largest decode bucket ({max(self.decode_buckets)}): the "
+                             "largest shape holds every step")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:

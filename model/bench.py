@@ -1,20 +1,30 @@
 """`sluice bench-engine`: the model runtime's own numbers, printed as one JSON line.
 
-Measures, on whatever JAX backend is present: this machine's memory read bandwidth (a
-jitted reduction over a buffer far larger than the caches), load time from GGUF and from
-an orbax checkpoint, prefill tokens/s at several prompt lengths (chunked as the engine
-does), decode tokens/s at several batch sizes with a 512-token context, and batch-1
-decode as a fraction of the bandwidth floor (bytes a step must read / read bandwidth).
+Measures, on whatever JAX backend is present:
+- start-up, in fresh processes, of a replica of the default preset's pool as `sluice
+  serve` builds it: `start_s` (process start to ready to serve: model read, essential
+  shapes compiled) with an empty compile cache (`cold`) and with it filled (`warm`),
+  `all_shapes_s` (until the background compile is done), and `rss_gb`: resident memory
+  when ready, when idle with every shape compiled, and the peak;
+- this machine's memory read bandwidth (a jitted reduction over a buffer far larger than
+  the caches), load time from GGUF and from an orbax checkpoint, prefill tokens/s at
+  several prompt lengths (chunked as the engine does), decode tokens/s at several batch
+  sizes with a 512-token context, and batch-1 decode as a fraction of the bandwidth
+  floor (bytes a step must read / read bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+
+_T0 = time.perf_counter()  # a start-up child measures from here (imports included)
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +92,55 @@ def bench_decode(runner, batch: int, context: int, steps: int, rng) -> float:
     return batch / statistics.median(times)
 
 
+def start_child(model: str | None) -> dict:
+    """In a fresh process: build the default preset's first pool's replica as `sluice
+    serve` does (its model unless `model`), and time it."""
+    from config.settings import load_settings
+
+    from . import host_memory
+    from .runner import ModelRunner, enable_compilation_cache
+    from .weights import load_model
+
+    host_memory.limit_arenas()
+    enable_compilation_cache()
+    pool = load_settings().pools[0]
+    loaded = load_model(model or pool.model, progress=False)
+    runner = ModelRunner.for_pool(loaded.config, loaded.params, pool)
+    del loaded
+    runner.warm_essential()
+    out = {"ready_s": time.perf_counter() - _T0, "rss_ready": host_memory.rss_bytes(),
+           "shapes": len(runner.programs.all)}
+    runner.warm_in_background()
+    runner.programs.wait()
+    out["all_shapes_s"] = time.perf_counter() - _T0
+    time.sleep(1.0)
+    out["rss_idle"] = host_memory.rss_bytes()
+    out["rss_peak"] = host_memory.peak_rss_bytes()
+    return out
+
+
+def measure_start(model: str | None) -> dict:
+    """Cold then warm start-up, each in a fresh process sharing one new compile cache."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "SLUICE_JAX_CACHE": cache}
+        for kind in ("cold", "warm"):
+            cmd = [sys.executable, "-m", "model.bench", "--start-child"]
+            if model:
+                cmd += ["--model", model]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    gb = lambda n: round(n / 1e9, 3)  # noqa: E731
+    warm = runs["warm"]
+    return {
+        "start_s": {k: round(r["ready_s"], 1) for k, r in runs.items()},
+        "all_shapes_s": {k: round(r["all_shapes_s"], 1) for k, r in runs.items()},
+        "shapes": warm["shapes"],
+        "rss_gb": {"ready": gb(warm["rss_ready"]), "idle": gb(warm["rss_idle"]),
+                   "peak": gb(max(r["rss_peak"] for r in runs.values()))},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sluice bench-engine", description=__doc__)
     ap.add_argument("--model", default="embedded", help="model source (default: embedded)")
@@ -89,14 +148,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--skip-orbax", action="store_true")
+    ap.add_argument("--skip-start", action="store_true",
+                    help="skip the start-up measurement (two fresh processes)")
+    ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.start_child:
+        print(json.dumps(start_child(None if args.model == "embedded" else args.model)))
+        return 0
+    start = {} if args.skip_start else measure_start(
+        None if args.model == "embedded" else args.model)
 
     from model.runner import ModelRunner, enable_compilation_cache
     from model.weights import load_model
 
     enable_compilation_cache()
     rng = np.random.default_rng(0)
-    out: dict = {"backend": jax.default_backend(), "model": args.model}
+    out: dict = {"backend": jax.default_backend(), "model": args.model, **start}
     out["read_bandwidth_gbps"] = round(measure_read_bandwidth(), 2)
 
     t = time.perf_counter()
@@ -116,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = (1, 4, 16, 64)
     runner = ModelRunner(loaded.config, loaded.params, page_size=16,
                          kv_cache_bytes=3 << 30, max_context=4096, decode_buckets=batches,
-                         prefill_buckets=(128, 512), dtype=args.dtype)
+                         prefill_buckets=(128, 512), mixed_decode_buckets=(0,),
+                         dtype=args.dtype)
     t = time.perf_counter()
     runner.warmup()
     out["compile_s"] = round(time.perf_counter() - t, 1)

@@ -1,47 +1,39 @@
-"""Attention behind one interface.
+"""Attention for the model: backends behind one object (`backends.py`), and the registry.
 
-`paged_attention(...)` takes the same arguments as `reference.paged_attention_reference`
-(see its shape comments) and picks an implementation by backend: the Pallas GPU kernels
-when running on a GPU, the jnp reference elsewhere. `impl` forces one ("reference",
-"pallas", "pallas_interpret").
+    cpu               cascade attention in jnp, with a prefix copy and row groups (cpu.py)
+    pallas            Pallas GPU kernels, Triton lowering (pallas_gpu.py)
+    pallas_interpret  the same kernels in interpret mode (tests, any machine)
+    dense             the dense reference every backend is tested against (reference.py)
+
+Adding a backend: a module with an `AttentionBackend` subclass, and a line below.
 """
 
 from __future__ import annotations
 
 import jax
 
-from .reference import paged_attention_reference
-# Imported here, before `paged_attention` (the function) is defined below: importing the
-# submodule of the same name later, e.g. lazily on the first Pallas call, would rebind the
-# package attribute `pallas_kernels.paged_attention` to the module. (So the attribute is
-# the function; reach the module with `from pallas_kernels.paged_attention import ...`.)
-from . import paged_attention as _kernels  # imports jax and jax.experimental.pallas only
+from .backends import AttentionBackend, DenseBackend, GroupLayout, PoolLayout
+from .cpu import CpuBackend
+from .pallas_gpu import PallasBackend, PallasInterpretBackend
+from .reference import paged_attention_dense
 
-__all__ = ["paged_attention", "paged_attention_reference", "default_impl"]
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (CpuBackend, PallasBackend, PallasInterpretBackend, DenseBackend)}
 
-
-def default_impl() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+__all__ = ["AttentionBackend", "BACKENDS", "GroupLayout", "PoolLayout", "default_backend",
+           "make_backend", "paged_attention_dense"]
 
 
-def paged_attention(q, k_pages, v_pages, page_tables, context_lens, query_lens,
-                    shared_pages=None, shared_len=None, shared_kv=None,
-                    buffered_len=None, *, impl: str | None = None,
-                    pages_per_block: int = 8,
-                    rows_per_group: int | tuple[int, ...] | None = None,
-                    scale=None):
-    """`shared_pages`/`shared_len` name a page-table prefix common to every sequence, and
-    `shared_kv` optionally holds the first `buffered_len` tokens of its keys and values
-    contiguous (see the reference). They change the cost, never the result, so an
-    implementation may ignore them: the page tables still list the shared pages."""
-    impl = impl or default_impl()
-    if impl == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, page_tables, context_lens,
-                                         query_lens, shared_pages, shared_len, shared_kv,
-                                         buffered_len, pages_per_block=pages_per_block,
-                                         rows_per_group=rows_per_group, scale=scale)
-    if impl in ("pallas", "pallas_interpret"):
-        return _kernels.paged_attention_pallas(q, k_pages, v_pages, page_tables,
-                                               context_lens, query_lens, scale=scale,
-                                               interpret=impl == "pallas_interpret")
-    raise ValueError(f"unknown attention {impl=}; expected reference, pallas or pallas_interpret")
+def default_backend() -> str:
+    """The Pallas kernels on a GPU, the jnp CPU backend elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "cpu"
+
+
+def make_backend(name: str | None, pool: PoolLayout, **options) -> AttentionBackend:
+    """The backend called `name` (None: `default_backend()`) for `pool`; `options` go to
+    its constructor (the CPU backend's block sizes, row groups, prefix copy)."""
+    name = name or default_backend()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of "
+                         f"{', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](pool, **options)

@@ -77,7 +77,8 @@ async def test_models_health_tokenize_detokenize_openapi():
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [MODEL, "fake-alias"]
         assert models["data"][0]["max_model_len"] == 2048
-        assert (await http.get("/health")).json() == {"status": "ok", "detail": ""}
+        assert (await http.get("/health")).json() == {"status": "ok", "detail": "",
+                                                      "warmup_remaining_shapes": 0}
         r = await http.post("/tokenize", json={"prompt": "abc"})
         assert r.json() == {"tokens": [97, 98, 99], "count": 3, "max_model_len": 2048}
         r = await http.post("/tokenize", json={"model": MODEL,

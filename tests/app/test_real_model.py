@@ -25,7 +25,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 async def test_openai_client_streams_paris_from_the_embedded_model(embedded_gguf):
     pool = PoolConfig(model=str(embedded_gguf), max_context=2048, page_size=16,
                       kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
-                      prefill_buckets=[(4, 64), (4, 256)], dtype="float32",
+                      prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
                       scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
     settings = Settings(server=ServerConfig(port=0), pools=[pool])
     state = ServerState(settings, Tenants([]), Guardrails(settings.guardrails))

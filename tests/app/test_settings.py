@@ -17,7 +17,9 @@ def test_default_preset_is_one_embedded_pool_and_no_tenants():
     assert s.tenants == [] and s.guardrails.input_url is None
     assert s.server.host == "127.0.0.1" and s.server.port == 8000
     assert pool.scheduler.max_running == max(pool.decode_buckets)
-    assert Settings().pools[0].model == "embedded"  # the library default serves the same
+    # The preset writes out the library defaults: what `make serve` runs is what tests
+    # and `Settings()` start from.
+    assert s == Settings()
 
 
 @pytest.mark.parametrize("text, key, expected", [
@@ -25,8 +27,12 @@ def test_default_preset_is_one_embedded_pool_and_no_tenants():
     ("[server]\nport = 70000\n", "$.server.port", "Expected `int` <= 65535"),
     ("[server]\nprot = 1\n", "$.server", "unknown field `prot`"),
     ("[[pools]]\npage_size = 0\n", "$.pools[0].page_size", "Expected `int` >= 1"),
-    ("[[pools]]\nprefill_buckets = [[1, 2, 3]]\n", "$.pools[0].prefill_buckets[0]",
-     "Expected `array` of length 2"),
+    ("[[pools]]\nprefill_buckets = [[4, 16]]\n", "$.pools[0].prefill_buckets[0]",
+     "Expected `int`, got `array`"),
+    ("[[pools]]\nprefill_buckets = [16, 40]\n", "$.pools[0]",
+     "prefill_buckets must be multiples of 16"),
+    ("[[pools]]\nmixed_decode_buckets = [0, 4]\n", "$.pools[0]",
+     "must include the largest decode bucket (16)"),
     ("[[pools]]\ndtype = 'float8'\n", "$.pools[0].dtype", "Invalid enum value 'float8'"),
     ("[[pools]]\n[pools.scheduler]\nmode = 'eager'\n", "$.pools[0].scheduler.mode",
      "Invalid enum value 'eager'"),

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import jax
 import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from model.runner import Bucket, ModelRunner
+from model.packing import Bucket
+from model.runner import ModelRunner
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
 
 TINY = ModelConfig(name="tiny-test", vocab_size=300, hidden_size=64, intermediate_size=128,
@@ -47,14 +49,16 @@ def chunk(seq_id, toks, start, pages, *, sample=True, sampling=None, num_generat
 
 
 def test_no_full_pool_copies_in_compiled_steps(runner):
-    """XLA:CPU once copied the whole pool per layer per step (NOTES.md): never again."""
-    pool = "{},{},{},{}".format(runner.num_pages, runner.page_size, TINY.num_kv_heads,
-                                TINY.head_dim)
-    flat = "{},{},{}".format(runner.num_pages * runner.page_size, TINY.num_kv_heads,
-                             TINY.head_dim)
-    for b in [Bucket(1, 0), Bucket(4, 0), Bucket(0, 32), Bucket(4, 64)]:
-        text = runner._compile_forward(b).as_text()
-        copies = re.findall(rf"= f32\[(?:{pool}|{flat})\]\S* copy\(", text)
+    """XLA:CPU once copied the whole pool per layer per step, at one-token steps
+    (docs/architecture.md): never again, whatever shape the pool is viewed in."""
+    rows = TINY.num_layers * runner.num_pages
+    ps, kvh, d = runner.page_size, TINY.num_kv_heads, TINY.head_dim
+    shapes = "|".join(",".join(map(str, s)) for s in [
+        (rows, ps, kvh, d), (rows, ps * kvh * d), (rows * ps, kvh, d), (rows * ps, kvh * d)])
+    assert Bucket(1, 0) in runner.programs.ready  # the one-token step
+    for b in runner.programs.ready:
+        text = runner._steps[b].as_text()
+        copies = re.findall(rf"= f32\[(?:{shapes})\]\S* copy\(", text)
         assert not copies, f"{b}: {len(copies)} full copies of the KV pool"
 
 
@@ -182,16 +186,17 @@ def test_shared_prefix_pages_give_the_same_logits_as_private_copies(runner):
     _compare_shared_with_private(runner, np.random.default_rng(5))
 
 
-def test_prefix_buffer_rereads_rewritten_pages(runner):
-    """The runner keeps a shared prefix gathered between steps (the CPU attention's
-    prefix buffer). When its pages are written again (freed, then reused by another
-    prompt), the next steps must read the new contents, never the stale copy."""
-    assert runner.prefix is not None
+def test_prefix_copy_rereads_rewritten_pages(runner):
+    """The CPU backend keeps a shared prefix gathered between steps (its prefix copy).
+    When its pages are written again (freed, then reused by another prompt), the next
+    steps must read the new contents, never the stale copy."""
+    copy = runner.attention.copy
+    assert copy is not None
     rng = np.random.default_rng(6)
-    fills = runner.prefix.fills
+    fills = copy.fills
     _compare_shared_with_private(runner, rng)  # fills the copy with one system prompt
     _compare_shared_with_private(runner, rng)  # same pages, another prompt written there
-    assert runner.prefix.fills >= fills + 2
+    assert copy.fills >= fills + 2
 
 
 def _compare_shared_with_private(runner, rng):
@@ -251,7 +256,7 @@ def test_feature_major_and_row_major_layouts_agree(variant):
         np.testing.assert_allclose(out[0][s], out[1][s], atol=1e-4)
 
 
-def test_prefix_buffer_follows_the_longer_prefix_and_gathers_the_other():
+def test_prefix_copy_follows_the_longer_prefix_and_gathers_the_other():
     """Decode rows share a system prompt while a long prompt is prefilled in chunks beside
     them: the two attention groups share different prefixes. The prefix copy moves to
     the long prompt once its earlier chunks outgrow the system prompt, and the group it
@@ -261,8 +266,8 @@ def test_prefix_buffer_follows_the_longer_prefix_and_gathers_the_other():
     kw = dict(page_size=2, num_pages=600, max_context=512, decode_buckets=(2,),
               prefill_buckets=(32,), block_q=8, max_prefill_seqs=2)
     buffered, gathered = ModelRunner(TINY, params, **kw), ModelRunner(
-        TINY, params, prefix_buffer_tokens=0, **kw)
-    assert buffered.prefix is not None and gathered.prefix is None
+        TINY, params, attention_options=dict(prefix_copy_tokens=0), **kw)
+    assert buffered.attention.copy is not None and gathered.attention.copy is None
     rng = np.random.default_rng(8)
     system, long = rng.integers(3, 300, 130).tolist(), rng.integers(3, 300, 300).tolist()
     sys_pages, long_pages = list(range(1, 66)), list(range(200, 350))
@@ -283,5 +288,31 @@ def test_prefix_buffer_follows_the_longer_prefix_and_gathers_the_other():
             np.testing.assert_allclose(x.logits[s], y.logits[s], atol=1e-4)
         last, pos = [x.sampled[s].token_id for s in range(2)], [p + 1 for p in pos]
     # It held the system prompt, then moved to the long prompt's earlier pages.
-    assert buffered.prefix.fills >= 2
-    assert list(buffered.prefix.pages[:100]) == long_pages[:100]
+    assert buffered.attention.copy.fills >= 2
+    assert list(buffered.attention.copy.pages[:100]) == long_pages[:100]
+
+
+def test_serves_before_every_shape_is_compiled():
+    """Warmed up on its essential shapes only, the runner runs every step in the smallest
+    ready bucket that holds it (padded, never compiling), with the logits it gives once
+    the exact bucket is ready; the background compile then fills in the rest."""
+    r = ModelRunner(TINY, random_params(TINY, seed=9), page_size=8, num_pages=64,
+                    max_context=256, decode_buckets=(1, 4), prefill_buckets=(16, 64),
+                    mixed_decode_buckets=(0, 4), block_q=8, max_prefill_seqs=2)
+    r.warm_essential([10])
+    assert set(r.programs.ready) == {Bucket(4, 64), Bucket(1, 0), Bucket(0, 16)}
+    assert r.warmup_remaining == len(r.buckets()) - 3
+    toks = list(range(3, 40))
+    plan = StepPlan([chunk(0, [5], 9, [1, 2]), chunk(1, [6], 9, [3, 4]),
+                     chunk(2, toks[:30], 0, [5, 6, 7, 8])])
+    padded = r.step(plan, return_logits=True)  # needs (2, 32): only (4, 64) holds it
+    assert padded.padded_tokens == 4 + 64
+    done = threading.Event()
+    r.warm_in_background(on_done=done.set)
+    assert done.wait(300) and r.warmup_remaining == 0
+    exact = r.step(plan, return_logits=True)
+    assert exact.padded_tokens == 4 + 64  # (4, 64) is the smallest mixed bucket here
+    single = r.step(StepPlan([chunk(0, [5], 9, [1, 2])]), return_logits=True)
+    assert single.padded_tokens == 1
+    for s in (0, 1, 2):
+        np.testing.assert_allclose(padded.logits[s], exact.logits[s], atol=1e-4)

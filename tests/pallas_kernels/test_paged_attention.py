@@ -1,4 +1,4 @@
-"""Pallas paged-attention kernels against the jnp reference.
+"""Pallas paged-attention kernels against the dense reference.
 
 Every case runs in Pallas interpret mode (CPU, CI) and, when the default backend is a GPU,
 again compiled (the `mode` fixture reruns the whole suite). Shapes are tiny: interpret
@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels
 from pallas_kernels import block_sizes as bs
-from pallas_kernels.paged_attention import paged_attention_pallas
-from pallas_kernels.reference import paged_attention_reference
+from pallas_kernels.pallas_gpu import paged_attention_pallas
+from pallas_kernels.reference import paged_attention_dense
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -128,7 +127,7 @@ def test_matches_reference(name, interpret):
     queries = args[0].shape[1]
     out = paged_attention_pallas(*args, interpret=interpret, sizes=_sizes(case, queries),
                                  splits=case.splits)
-    ref = paged_attention_reference(*args, pages_per_block=1)
+    ref = paged_attention_dense(*args)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all()
@@ -138,13 +137,12 @@ def test_matches_reference(name, interpret):
     assert not out[pad].any()
 
 
-def test_scale_and_public_dispatch(interpret):
+def test_scale(interpret):
+    """An explicit scale reaches the scores: scaling q by c is the same as scale c/sqrt(d)."""
     case = CASES["chunk-mid-page"]
-    args = _make_inputs(case, seed=1)
-    impl = "pallas_interpret" if interpret else "pallas"
-    out = pallas_kernels.paged_attention(*args, impl=impl, scale=0.3)
-    ref = pallas_kernels.paged_attention(*args, impl="reference", pages_per_block=1,
-                                         scale=0.3)
+    q, *rest = _make_inputs(case, seed=1)
+    out = paged_attention_pallas(q, *rest, scale=0.3, interpret=interpret)
+    ref = paged_attention_dense(q * (0.3 * case.head_dim ** 0.5), *rest)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 

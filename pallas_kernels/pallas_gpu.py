@@ -1,6 +1,6 @@
 """Paged attention as Pallas kernels for NVIDIA GPUs, reading the KV page pool in place.
 
-Semantics are `reference.paged_attention_reference`'s: query i of sequence s sits at
+Semantics are `reference.paged_attention_dense`'s: query i of sequence s sits at
 position context_lens[s] - query_lens[s] + i and attends causally to keys [0, position];
 rows past query_lens[s] are padding and come out as zeros.
 
@@ -31,40 +31,13 @@ So any page size works, a key block may span pages or start inside one, and the 
 is read per key block from memory (the Triton lowering has no scalar prefetch). Page ids
 are clamped into the pool, so a bad table reads a wrong page, never outside the buffer.
 
-GPU lowering: Triton (`compiler_params=jax.experimental.pallas.triton.CompilerParams`).
-In short: the kernel is a gather through a page table, which the Triton lowering expresses
-directly (a tensor of pointers built from page ids, as in JAX's own Triton paged/decode
-attention ops) on both JAX versions in play; Mosaic GPU would mean a harder, Hopper-only
-program, with no GPU here to debug it on. In detail:
+GPU lowering: Triton (`compiler_params=jax.experimental.pallas.triton.CompilerParams`),
+chosen over Mosaic GPU for a gather through a page table on Ampere to Hopper; the reasons,
+what runs where, and the way out when JAX drops the Triton lowering are in
+docs/attention.md. Tuned block sizes live in `block_sizes.py`.
 
-- Availability. jax 0.10.2 (the newest on Python 3.11, our CI) and 0.11.2 (the H200
-  image) both ship the Triton lowering. JAX 0.11.0 deprecated it ("will be removed in a
-  future version"; a DeprecationWarning, id "jax-pallas-triton", at each lowering) in
-  favour of Mosaic GPU. A plain `pallas_call` on GPU already lowers to Mosaic GPU
-  (`jax_pallas_use_mosaic_gpu` defaults to True), so the Triton CompilerParams are passed
-  explicitly. For Mosaic GPU, `pallas_call` itself is deprecated in favour of
-  `plgpu.kernel`, whose API was still changing between 0.10 and 0.11.
-- Fit. Mosaic GPU works through TMA copies into shared memory and warpgroup (wgmma) tiles
-  of 64 rows. Its row-gather TMA (tile::gather4) is Blackwell-only, so on a Hopper chip a
-  paged kernel would issue one TMA per page from SMEM-held page ids in a hand-built
-  pipeline, plus a non-wgmma path for a decode program's 4-16 query rows; and JAX ships no
-  Mosaic GPU paged or decode attention to start from. The Triton lowering gathers rows,
-  takes any power-of-two tile of >= 16 rows, does f32 (IEEE) and bf16 dots, and runs on Ampere and Ada as
-  well as Hopper. It cannot scalar-prefetch, so page ids are loaded inside the kernel.
-- Cost. Decode, the case that matters most, is bound by HBM bandwidth, not tensor cores,
-  so Mosaic GPU's strengths (TMA, wgmma) buy little there; prefill chunks may give up
-  some matmul throughput to Triton's code generation.
-- The way out. When a JAX release drops the Triton lowering, `_compiler_params` raises a
-  RuntimeError that says so, and the runner should use impl="reference" until a Mosaic GPU
-  port (or tokamax's kernels) replaces this file. Interpret mode does not touch Triton.
-
-Versions run on: jax 0.10.2, CPU only: interpret mode (tests/pallas_kernels, every case
-against the reference), plus a lowering of both kernels to Triton IR for the CUDA platform
-on that CPU (`test_lowers_to_triton_ir`: every primitive has a Triton lowering, every
-loaded block has a power-of-two size). Not yet compiled by Triton nor run on a GPU: the
-first H200 run of the suite and of `benchmarks/h200_attention.py` (jax 0.11.2) does that.
-
-Tuned block sizes live in `block_sizes.py`.
+`PallasBackend` (end of file) is how the runner uses these kernels: the pool's layers are
+one array, so a layer is a page offset added to the tables.
 """
 
 from __future__ import annotations
@@ -78,9 +51,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import block_sizes as bs
-from .reference import paged_attention_reference
+from .backends import AttentionBackend
 
-__all__ = ["paged_attention_pallas", "paged_attention_reference"]
+__all__ = ["paged_attention_pallas", "PallasBackend", "PallasInterpretBackend"]
 
 _NEG = -1e30  # masked score (finite: -inf - -inf would be NaN)
 _LOG2E = math.log2(math.e)
@@ -233,7 +206,7 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
     except ImportError as e:  # a JAX without the Triton lowering
         raise RuntimeError(
             f"this JAX ({jax.__version__}) has no Pallas Triton lowering, which these "
-            "kernels are written for; use impl='reference' (see the module docstring)"
+            "kernels are written for; use the \"cpu\" attention backend (docs/attention.md)"
         ) from e
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -413,7 +386,7 @@ def paged_attention_pallas(
     sizes: bs.BlockSizes | None = None,
     splits: int | None = None,
 ):
-    """Causal paged attention; same arguments and result as `paged_attention_reference`:
+    """Causal paged attention; same arguments and result as `reference.paged_attention_dense`:
     [seqs, queries, heads, head_dim] in q's dtype, zeros on padding rows.
 
     `sizes` overrides the block-size table (`block_sizes.block_sizes`); `splits` forces the
@@ -468,3 +441,22 @@ def paged_attention_pallas(
         block_q=block_q, block_k=block_k, scale=scale, precision=precision,
         num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
     return out[:, :queries, :, :group].reshape(seqs, queries, heads, d)
+
+
+class PallasBackend(AttentionBackend):
+    """The kernels above, compiled for the GPU (Triton lowering)."""
+
+    name = "pallas"
+    interpret = False
+
+    def attend(self, q, k_pool, v_pool, layer, meta, state):
+        tables, context_lens, query_lens = meta
+        return paged_attention_pallas(q, k_pool, v_pool, tables + self.page_offset(layer),
+                                      context_lens, query_lens, interpret=self.interpret)
+
+
+class PallasInterpretBackend(PallasBackend):
+    """The same kernels in Pallas interpret mode: any backend, slowly (tests)."""
+
+    name = "pallas_interpret"
+    interpret = True

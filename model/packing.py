@@ -1,0 +1,130 @@
+"""A `StepPlan` packed into the fixed-shape arrays of a compiled bucket (pure numpy).
+
+A step's shape is its `Bucket`: decode rows (one token each) and prefill tokens (blocks of
+`block_q` queries, each block one sequence's). Packing decides which chunks decode and
+which prefill, sorts each group longest context first (backends that walk rows in groups
+rely on it: short rows then stop early), lays out the flat token arrays, and describes
+each attention group generically (`GroupLayout`); the attention backend turns those into
+its own metadata. Nothing here compiles or touches a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from pallas_kernels import GroupLayout
+from scheduler.protocol import SeqChunk, StepPlan
+
+
+class Bucket(NamedTuple):
+    dec_rows: int  # decode sequences
+    pf_tokens: int  # prefill tokens, a multiple of block_q
+
+    def covers(self, need: "Bucket") -> bool:
+        return self.dec_rows >= need.dec_rows and self.pf_tokens >= need.pf_tokens
+
+
+@dataclass
+class StepLayout:
+    bucket: Bucket
+    tokens: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slots: np.ndarray  # [T] int32: page * page_size + offset; padding writes slot 0
+    sample_idx: np.ndarray  # [sample_rows] int32: flat token whose logits each row takes
+    decode: GroupLayout
+    prefill: GroupLayout
+    samples: list[SeqChunk]  # the chunks that sample, in sample-row order
+    real_tokens: int
+
+
+def sample_rows(bucket: Bucket, block_q: int, max_prefill_seqs: int) -> int:
+    """Logit rows a bucket computes: one per decode row and per prefill chunk, rounded up
+    to a power of two so that buckets share sampler programs."""
+    n = bucket.dec_rows + min(bucket.pf_tokens // block_q, max_prefill_seqs)
+    return 1 << max(0, n - 1).bit_length()
+
+
+def split(plan: StepPlan, max_decode_rows: int, block_q: int
+          ) -> tuple[list[SeqChunk], list[SeqChunk], Bucket]:
+    """(decode chunks, prefill chunks, the smallest bucket they fit), each group sorted
+    longest context first. One-token chunks decode while there is room."""
+    dec: list[SeqChunk] = []
+    pf: list[SeqChunk] = []
+    for c in plan.chunks:
+        (dec if len(c.token_ids) == 1 and len(dec) < max_decode_rows else pf).append(c)
+    dec.sort(key=lambda c: c.start_pos, reverse=True)
+    pf.sort(key=lambda c: c.start_pos + len(c.token_ids), reverse=True)
+    pf_tokens = sum(-(-len(c.token_ids) // block_q) * block_q for c in pf)
+    return dec, pf, Bucket(len(dec), pf_tokens)
+
+
+def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: int,
+         block_q: int, pages_per_seq: int, n_samples: int) -> StepLayout:
+    """Lay `dec` and `pf` (from `split`) out in `bucket`'s arrays."""
+    ps, bq = page_size, block_q
+    nd, blocks = bucket.dec_rows, bucket.pf_tokens // bq
+    t = nd + bucket.pf_tokens
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.zeros(t, np.int32)
+    decode = GroupLayout.empty(nd, pages_per_seq)
+    prefill = GroupLayout.empty(blocks, pages_per_seq)
+    sample_idx = np.zeros(n_samples, np.int32)
+    samples: list[SeqChunk] = []
+
+    for i, c in enumerate(dec):
+        pos = c.start_pos
+        pt = c.page_table
+        tokens[i] = c.token_ids[0]
+        positions[i] = pos
+        slots[i] = pt[pos // ps] * ps + pos % ps
+        decode.page_tables[i, :len(pt)] = pt
+        decode.context_lens[i] = pos + 1
+        decode.query_lens[i] = 1
+        if c.sample:
+            sample_idx[len(samples)] = i
+            samples.append(c)
+    flat, blk = nd, 0
+    for c in pf:
+        n = len(c.token_ids)
+        pt = np.asarray(c.page_table, np.int32)
+        pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
+        tokens[flat:flat + n] = c.token_ids
+        positions[flat:flat + n] = pos
+        slots[flat:flat + n] = pt[pos // ps] * ps + pos % ps
+        for j in range(-(-n // bq)):
+            q = min(bq, n - j * bq)
+            prefill.page_tables[blk, :len(pt)] = pt
+            prefill.context_lens[blk] = c.start_pos + j * bq + q
+            prefill.query_lens[blk] = q
+            blk += 1
+        if c.sample:
+            sample_idx[len(samples)] = flat + n - 1
+            samples.append(c)
+        flat += -(-n // bq) * bq
+    real = sum(len(c.token_ids) for c in (*dec, *pf))
+    return StepLayout(bucket, tokens, positions, slots, sample_idx, decode, prefill,
+                      samples, real)
+
+
+def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples: int,
+                 context: int) -> StepLayout:
+    """A layout of `bucket` that reads and writes only the null page (page 0, where padding
+    writes go anyway), with every row at `context` tokens so that attention's loops run:
+    for compiling and for the first run of a fresh executable."""
+    nd, blocks = bucket.dec_rows, bucket.pf_tokens // block_q
+    t = nd + bucket.pf_tokens
+    zeros = np.zeros(t, np.int32)
+
+    def group(rows: int, queries: int) -> GroupLayout:
+        g = GroupLayout.empty(rows, pages_per_seq)
+        g.context_lens[:] = context
+        g.query_lens[:] = queries
+        return g
+
+    return StepLayout(bucket, zeros, zeros.copy(), zeros.copy(),
+                      np.zeros(n_samples, np.int32), group(nd, 1), group(blocks, block_q),
+                      [], 0)

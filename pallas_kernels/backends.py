@@ -1,0 +1,118 @@
+"""Attention backends behind one object.
+
+The model calls attention twice per layer, once per group of the step (decode rows with
+one query each; prefill blocks of `block_q` queries), and knows nothing else about it.
+A backend owns everything between the plan and that call:
+
+- on the host, before each step, `prepare()` turns the step's generic `GroupLayout`s (page
+  tables, context and query lengths, as the runner packed them) into the metadata it
+  needs, one opaque pytree per group, and updates any device state it keeps across steps
+  (`state`, passed into every step);
+- inside the compiled step, `attend()` reads one layer of the KV pool with that metadata.
+
+The KV pool is one array for K and one for V, `[layers * pages, page_size, kv_heads,
+head_dim]`: layer l's page p is row `l * pages + p` (`PoolLayout.pages`), so one layer's
+view is a page offset, never a copy. Page 0 of each layer is the null page.
+
+Registry: `pallas_kernels.BACKENDS` maps a name to its class; adding one (a TPU kernel,
+say) is a file with a subclass and a line there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """The shape of the KV page pool a backend reads."""
+
+    layers: int
+    pages: int  # pages per layer, the null page 0 included
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    pages_per_seq: int  # page-table width the runner packs
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.layers * self.pages, self.page_size, self.kv_heads, self.head_dim)
+
+
+@dataclasses.dataclass
+class GroupLayout:
+    """One attention group of a step, as the runner packed it (numpy, fixed shapes).
+
+    Rows are sequences (decode) or query blocks (prefill; a block acts as a sequence
+    whose context ends at its last query). Padding rows have context and query length 0
+    and an all-zero table. Rows come sorted by context, longest first."""
+
+    page_tables: np.ndarray  # [rows, pages_per_seq] int32: page ids of one layer
+    context_lens: np.ndarray  # [rows] int32: keys in the pool, this step's included
+    query_lens: np.ndarray  # [rows] int32: real queries, at the end of the context
+
+    @classmethod
+    def empty(cls, rows: int, pages_per_seq: int) -> "GroupLayout":
+        return cls(np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32),
+                   np.zeros(rows, np.int32))
+
+
+class AttentionBackend:
+    """One attention implementation. Subclasses set `name` and override `attend`, and
+    `prepare`/`metadata` when they need more than the generic layout."""
+
+    name: ClassVar[str]
+
+    def __init__(self, pool: PoolLayout) -> None:
+        self.pool = pool
+
+    @property
+    def state(self) -> Any:
+        """Device arrays the backend keeps across steps, passed into each step (None)."""
+        return None
+
+    # -- host side ----------------------------------------------------------------------
+    def metadata(self, group: GroupLayout) -> Any:
+        """This backend's metadata for a group (numpy pytree; shapes depend only on the
+        group's shape). Also used, on a zero layout, for compiling and warming up."""
+        return (group.page_tables, group.context_lens, group.query_lens)
+
+    def prepare(self, kv, groups: tuple[GroupLayout, GroupLayout], slots: np.ndarray,
+                copies: list[tuple[int, int]]) -> tuple[Any, Any]:
+        """Before a step: metadata for (decode, prefill). `slots` are the pool slots the
+        step writes (layer 0's numbering) and `copies` the page copies run before it, for
+        a backend whose state must never go stale."""
+        return self.metadata(groups[0]), self.metadata(groups[1])
+
+    def warmup(self, kv) -> None:
+        """Compile and run once whatever the backend runs outside the step."""
+
+    def describe(self) -> dict:
+        return {"attention": self.name}
+
+    # -- inside the compiled step ---------------------------------------------------------
+    def attend(self, q, k_pool, v_pool, layer, meta, state):
+        """q [rows, queries, heads, head_dim] -> the same shape: layer `layer` (a traced
+        int) of the pool, with `meta` from `prepare` and the backend's `state`."""
+        raise NotImplementedError
+
+    def page_offset(self, layer):
+        """Pool row of `layer`'s page 0."""
+        return layer * self.pool.pages
+
+
+class DenseBackend(AttentionBackend):
+    """The dense reference (`reference.paged_attention_dense`): tests and tiny models."""
+
+    name = "dense"
+
+    def attend(self, q, k_pool, v_pool, layer, meta, state):
+        from .reference import paged_attention_dense
+
+        tables, context_lens, query_lens = meta
+        return paged_attention_dense(q, k_pool, v_pool, tables + self.page_offset(layer),
+                                     context_lens, query_lens)

@@ -1,0 +1,177 @@
+"""Cascade paged attention in plain jnp: the CPU backend's kernel (`cpu.py` drives it).
+
+It attends only over the pages a sequence has: `fori_loop`s walk the page table in blocks
+up to the longest context of a group of rows (traced bounds, so one compiled step serves
+every context length), with an online softmax across blocks. The cost follows the real
+context, not the model's maximum.
+
+Cascade ("shared prefix"): when every row's table starts with the same pages (the system
+prompt every request carries; a long prompt's earlier chunks for its blocks) and every
+query sits after them, that prefix is read once for all rows, one dense matmul per block,
+and the partial softmaxes are merged with each row's walk over its own pages. The result
+is the same attention; the keys are read once instead of once per row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_NEG = -1e30  # masked score (finite: -inf - -inf would be NaN)
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_block", "shared_pages_per_block",
+                                             "row_groups"))
+def cascade_attention(
+    q,  # [rows, queries, heads, head_dim]
+    k_pool,  # [layers * pages, page_size, kv_heads, head_dim]
+    v_pool,  # [layers * pages, page_size, kv_heads, head_dim]
+    page_offset,  # [] int32: pool row of this layer's page 0, added to every page id
+    page_tables,  # [rows, pages_per_seq] int32: one layer's page ids, unused entries 0
+    context_lens,  # [rows] int32: keys in the pool, this step's included
+    query_lens,  # [rows] int32: real queries; query i sits at context_len - query_len + i
+    shared_pages,  # [pages_per_seq] int32: a table prefix every row has (cascade)
+    shared_len,  # [] int32: its length in tokens (a page multiple; 0: no cascade)
+    copy=None,  # optional (kt [L, kv_heads, head_dim, n], v [L, kv_heads, n, head_dim]):
+    #   keys (transposed) and values of a shared prefix, contiguous, per layer
+    layer=None,  # [] int32: which layer of `copy` this is
+    buffered_len=None,  # [] int32: tokens of this group's shared prefix that `copy` holds
+    *,
+    pages_per_block: int = 8,
+    shared_pages_per_block: int = 64,
+    row_groups: tuple[int, ...] = (),
+):
+    """Causal attention; [rows, queries, heads, head_dim], zeros on padding rows.
+
+    The shared prefix is read from `copy` first (its first `buffered_len` tokens: on
+    XLA:CPU gathering pages cost as much as the matmul over them), the rest of it gathered
+    from the pages. Each part is walked in big blocks of `shared_pages_per_block` pages
+    (one matmul each: every loop iteration costs fixed overhead on XLA:CPU) and its tail in
+    blocks of `pages_per_block`; rounding a part down to whole big blocks would leave its
+    tail to every row (a 2,000-token system prompt's 976-token tail cost a decode step of
+    16 a quarter of its time).
+
+    Each row's own pages, after the shared prefix, are walked in groups of rows
+    (`row_groups`: sizes of consecutive groups; the rows left over form one more), each
+    group only as far as its longest row: a caller that sorts rows by length (the runner
+    does) saves the blocks short rows would spend masked, waiting for the longest.
+    """
+    s, nq, h, d = q.shape
+    _, ps, kvh, _ = k_pool.shape
+    g = h // kvh
+    blk = pages_per_block * ps
+    f32 = jnp.float32
+
+    qg = (q.astype(f32) * d ** -0.5).reshape(s, nq, kvh, g, d)
+    q_pos = context_lens[:, None] - query_lens[:, None] + jnp.arange(nq)[None, :]  # [s, nq]
+    q_valid = jnp.arange(nq)[None, :] < query_lens[:, None]  # [s, nq]
+
+    spb = min(shared_pages_per_block, page_tables.shape[1])
+    sblk = spb * ps
+    buffered = jnp.int32(0) if copy is None else jnp.minimum(buffered_len, shared_len)
+    # Padding so that no block's slice is ever clamped back onto real pages.
+    shared_table = jnp.pad(shared_pages, (0, spb))
+    tables = jnp.pad(page_tables, ((0, 0), (0, pages_per_block)))
+
+    # -- the shared prefix: every query of every row against the same keys ----------------
+    q_all = qg.transpose(2, 3, 0, 1, 4).reshape(kvh, g * s * nq, d)
+    all_valid = jnp.broadcast_to(q_valid[None], (g, s, nq)).reshape(g * s * nq)
+
+    def copy_keys(at, size):
+        kt = lax.dynamic_slice(copy[0], (layer, 0, 0, at), (1, kvh, d, size))[0]
+        v = lax.dynamic_slice(copy[1], (layer, 0, at, 0), (1, kvh, size, d))[0]
+        return jnp.einsum("kqd,kdt->kqt", q_all, kt.astype(f32)), v.astype(f32), \
+            "kqt,ktd->kqd"
+
+    def page_keys(at, size):
+        pages = lax.dynamic_slice_in_dim(shared_table, at // ps, size // ps) + page_offset
+        k = k_pool[pages].reshape(size, kvh, d).astype(f32)
+        v = v_pool[pages].reshape(size, kvh, d).astype(f32)
+        return jnp.einsum("kqd,tkd->kqt", q_all, k), v, "kqt,tkd->kqd"
+
+    def walk(keys, limit, start, size, count, carry):
+        """`count` blocks of `size` keys from `start`, read by `keys`; keys at or past
+        `limit` masked."""
+        def body(j, carry):
+            at = start + j * size
+            scores, v, pv_spec = keys(at, size)  # scores [kvh, g*s*nq, size]
+            mask = ((at + jnp.arange(size)) < limit)[None, None, :] & all_valid[None, :, None]
+            return _online_update(*carry, scores, mask, v, pv_spec)
+        return lax.fori_loop(0, count, body, carry)
+
+    def blocks_of(keys, limit, start, length, carry):
+        """`length` keys from `start`: whole big blocks, then the tail in small ones."""
+        big = length // sblk
+        carry = walk(keys, limit, start, sblk, big, carry)
+        return walk(keys, limit, start + big * sblk, blk, (length - big * sblk + blk - 1) // blk,
+                    carry)
+
+    rows = g * s * nq
+    carry = (jnp.full((kvh, rows), _NEG, f32), jnp.zeros((kvh, rows), f32),
+             jnp.zeros((kvh, rows, d), f32))
+    if copy is not None:
+        carry = blocks_of(copy_keys, buffered, jnp.int32(0), buffered, carry)
+    m1, l1, acc1 = blocks_of(page_keys, shared_len, buffered, shared_len - buffered, carry)
+    m1 = m1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
+    l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
+    acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
+
+    # -- each row's own pages, from the end of the shared prefix, in groups of rows ----------
+    first_page = shared_len // ps
+
+    def own_rows(a, b, carry):
+        n = b - a
+        tab, qg_r, pos_r, valid_r = tables[a:b], qg[a:b], q_pos[a:b], q_valid[a:b]
+
+        def own_block(j, carry):  # m, l: [n, kvh, g, nq]; acc: [n, kvh, g, nq, d]
+            pages = lax.dynamic_slice_in_dim(tab, first_page + j * pages_per_block,
+                                             pages_per_block, 1) + page_offset
+            k = k_pool[pages].reshape(n, blk, kvh, d).astype(f32)
+            v = v_pool[pages].reshape(n, blk, kvh, d).astype(f32)
+            scores = jnp.einsum("sqkgd,stkd->skgqt", qg_r, k)  # [n, kvh, g, nq, blk]
+            k_pos = shared_len + j * blk + jnp.arange(blk)
+            mask = (k_pos[None, None, :] <= pos_r[:, :, None]) & valid_r[:, :, None]
+            return _online_update(*carry, scores, mask[:, None, None], v, "skgqt,stkd->skgqd")
+
+        blocks = (jnp.max(context_lens[a:b]) - shared_len + blk - 1) // blk
+        return lax.fori_loop(0, blocks, own_block, carry)
+
+    bounds = [0]
+    for n in row_groups:
+        if bounds[-1] < s:
+            bounds.append(min(s, bounds[-1] + n))
+    if bounds[-1] < s:
+        bounds.append(s)
+    parts = [own_rows(a, b, (m1[a:b], l1[a:b], acc1[a:b])) for a, b in zip(bounds, bounds[1:])]
+    _, l, acc = (jnp.concatenate([p[i] for p in parts]) for i in range(3))
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(s, nq, h, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_layer",), donate_argnums=(3,))
+def gather_prefix(k_pool, v_pool, pages, old, *, pages_per_layer: int):
+    """The copy `cascade_attention` reads, for `pages` ([n / page_size] int32, one layer's
+    ids) in every layer: (kt [L, kv_heads, head_dim, n], v [L, kv_heads, n, head_dim]).
+    `old`, the previous copy, is donated: it is overwritten in place. One gather and
+    transpose per layer: a single gather over all layers, then one big transpose, ran
+    3-10x slower on XLA:CPU."""
+    rows, ps, kvh, d = k_pool.shape
+    n = pages.shape[0] * ps
+    kt, vt = old
+    for layer in range(rows // pages_per_layer):
+        at = pages + layer * pages_per_layer
+        kt = kt.at[layer].set(k_pool[at].reshape(n, kvh, d).transpose(1, 2, 0))
+        vt = vt.at[layer].set(v_pool[at].reshape(n, kvh, d).transpose(1, 0, 2))
+    return kt, vt
+
+
+def _online_update(m, l, acc, scores, mask, v, pv_spec):
+    """One block of the online softmax: fold `scores` (masked) and values into (m, l, acc)."""
+    scores = jnp.where(mask, scores, _NEG)
+    m_new = jnp.maximum(m, scores.max(-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum(pv_spec, p, v)
