@@ -101,11 +101,14 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
             max_tokens=max_tokens,
             sampling=_sampling(req, pool, logprobs),
             stop=_stops(req.stop),
+            stop_token_ids=_stop_token_ids(req.stop_token_ids, pool),
             ignore_eos=req.ignore_eos,
             tenant=tenant.name,
             priority=tenant.priority_for(req.priority),
             weight=tenant.config.weight,
+            tenant_max_running=tenant.config.max_running,
             cache_salt=tenant.cache_salt,
+            deadline_s=tenant.config.queue_deadline_s,
             request_id=request_id,
         )
         flight.submitted(*_submit(pool, greq))
@@ -126,6 +129,14 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
         tenant=tenant,
         arrival=arrival,
     )
+
+
+def _stop_token_ids(ids: list[int] | None, pool: Pool) -> tuple[int, ...]:
+    bad = [t for t in ids or () if t >= pool.vocab_size]
+    if bad:
+        raise bad_request(f"stop_token_ids must be token ids in [0, {pool.vocab_size}); got "
+                          f"{bad[:5]}.", param="stop_token_ids", code="invalid_token_id")
+    return tuple(ids or ())
 
 
 def _submit(pool: Pool, greq: GenerateRequest) -> tuple[int, object]:

@@ -72,6 +72,8 @@ class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
     ignore_eos: bool = False  # vLLM's: benchmarks use it to get exactly max_tokens
+    # vLLM's: token ids that end the answer like eos does (not shown in the text).
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] | None = None
     priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None  # smaller: sooner
     user: Annotated[str, Meta(max_length=256)] | None = None  # logged, like OpenAI
 

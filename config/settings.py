@@ -154,6 +154,12 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # refunded at the end); None: no limit. The bucket holds one minute's worth.
     tokens_per_minute: Positive | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # fair share inside the engine
+    # Sequences of this tenant running at once in a replica; more wait in its queue (still
+    # admitted, unlike past max_concurrency: 429). None: no limit.
+    max_running: Positive | None = None
+    # How long its requests may wait in a queue before being shed; None: the pool's
+    # `queue_deadline_s` (a tenant sending background work may wait longer).
+    queue_deadline_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     share_prefix_cache: bool = False  # let prefix-cache hits cross into other tenants
 
 

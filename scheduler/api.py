@@ -24,10 +24,10 @@ class GenerateRequest:
     tenant: str = "anonymous"
     priority: int = 0  # smaller is more urgent (vLLM's convention); app clamps per tenant
     weight: float = 1.0  # the tenant's fair-share weight
-    tenant_max_running: int | None = None  # per-tenant concurrency limit inside the engine
+    tenant_max_running: int | None = None  # running at once (TenantConfig.max_running)
     cache_salt: str = ""  # prefix-cache isolation (tenant and adapter, unless shared)
     request_id: str | None = None  # a uuid4 hex is assigned when None
-    deadline_s: float | None = None  # longest queue wait before shedding; None: engine default
+    deadline_s: float | None = None  # longest queue wait before shedding; None: the pool's
     batch: bool = False  # background batch job: runs only in idle capacity
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tests.app.harness import EOS, MODEL, serve, sse_events
+from tests.app.harness import EOS, MODEL, VOCAB, assert_error, serve, sse_events
 
 
 async def test_chat_non_streaming_openai_client():
@@ -53,6 +53,24 @@ async def test_completion_stops_at_eos_streaming_and_not():
         assert body["choices"][0]["finish_reason"] == "stop"
         assert body["choices"][0]["text"] == "jk"  # 997, 998 -> letters 9, 10
         assert body["usage"]["completion_tokens"] == 3
+
+
+async def test_stop_token_ids_end_the_answer_like_eos():
+    """vLLM's `stop_token_ids`: generation 'ab' + chr(EOS-9) runs EOS-8, EOS-7, ...; stop
+    token EOS-6 ends it after two shown tokens, counted but not shown. An id outside the
+    vocabulary is a 400 naming the parameter."""
+    prompt = "ab" + chr(EOS - 9)
+    async with serve() as srv, srv.client() as http:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 50,
+                "stop_token_ids": [EOS - 6]}
+        r = await http.post("/v1/completions", json=body)
+        out = r.json()
+        assert r.status_code == 200, out
+        assert out["choices"][0]["finish_reason"] == "stop"
+        assert out["usage"]["completion_tokens"] == 3
+        assert len(out["choices"][0]["text"]) == 2
+        r = await http.post("/v1/completions", json={**body, "stop_token_ids": [VOCAB + 5]})
+        assert_error(r, 400, param="stop_token_ids", code="invalid_token_id")
 
 
 async def test_completion_streaming_raw_sse_ends_with_done():

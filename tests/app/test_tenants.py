@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
@@ -152,3 +154,49 @@ async def test_no_tenants_configured_any_header_is_anonymous():
         for headers in ({}, hdr("whatever"), {"Authorization": "Basic abc"}):
             r = await http.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 200, r.text
+
+
+async def test_tenant_max_running_queues_instead_of_refusing():
+    """`max_running` holds a tenant to one running sequence per replica: its other
+    requests wait in the queue (unlike max_concurrency, no 429) and all complete, one
+    at a time."""
+    queued = TenantConfig("queued", sha("queued-key"), max_running=1)
+    async with serve(settings(tenants=[queued]), step_delay_s=0.002) as srv, \
+            srv.client() as http:
+        running = []
+
+        def watch(plan):
+            running.append(len({c.seq_id for c in plan.chunks}))
+            time.sleep(0.002)
+
+        srv.pool.engines[0].runner.on_step = watch
+        results = []
+
+        async def one(i: int) -> None:
+            body = {"model": MODEL, "prompt": f"q{i}", "max_tokens": 5}
+            r = await http.post("/v1/completions", json=body, headers=hdr("queued-key"))
+            results.append(r.status_code)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i)
+    assert results == [200, 200, 200]
+    assert running and max(running) == 1
+
+
+async def test_tenant_queue_deadline_sheds_its_waiting_requests():
+    """A tenant's own `queue_deadline_s` overrides the pool's: stuck behind a long
+    answer, its next request is shed with a 429 once it has waited that long."""
+    impatient = TenantConfig("impatient", sha("imp-key"), max_running=1, queue_deadline_s=0.2)
+    async with serve(settings(tenants=[impatient]), step_delay_s=0.01) as srv, \
+            srv.client() as http:
+        long = {"model": MODEL, "prompt": "long", "max_tokens": 200, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=long,
+                               headers=hdr("imp-key")) as r1:
+            assert r1.status_code == 200
+            r2 = await http.post("/v1/completions", headers=hdr("imp-key"),
+                                 json={"model": MODEL, "prompt": "next", "max_tokens": 3})
+            assert_error(r2, 429, type="rate_limit_error")
+            assert "waited" in r2.json()["error"]["message"]
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")  # absent on the accelerator image (NOTES.md)
+gguf = pytest.importorskip("gguf")  # absent on the accelerator image (docs/stack.md)
 save_file = pytest.importorskip("safetensors.numpy").save_file
 Q = gguf.GGMLQuantizationType
 
@@ -278,7 +278,7 @@ def test_gguf_quantized_types(tmp_path):
 
 def test_embedded_gguf_matches_llama_cpp_convention(embedded_model):
     """The real file: our half-split q/k == llama.cpp's interleaved rope on the stored rows,
-    and the numpy reference's greedy answer is the one NOTES.md records."""
+    and the numpy reference's greedy answer is the one docs/stack.md records."""
     m, tok = embedded_model, embedded_model.tokenizer
     assert m.config.num_layers == 30 and m.config.tie_embeddings and "lm_head" not in m.params
     assert m.config.num_params() == sum(a.size for _, a in flatten(m.params)) == 134_515_008

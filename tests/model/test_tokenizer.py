@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from model.loaders.gguf_tokenizer import tokenizer_from_gguf
 from model.tokenizer import ChatTemplateError, Tokenizer
 
-gguf = pytest.importorskip("gguf")  # absent on the accelerator image (NOTES.md)
+gguf = pytest.importorskip("gguf")  # absent on the accelerator image (docs/stack.md)
 
 TEXTS = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog.",
