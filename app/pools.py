@@ -114,6 +114,12 @@ class Pool:
     def stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
 
+    def close(self) -> None:
+        """Stop the replicas' background compiles (each ends after its current shape)."""
+        for engine in self.engines:
+            if close := getattr(engine.runner, "close", None):
+                close()
+
     def start_draining(self) -> None:
         for e in self.engines:
             e.start_draining()

@@ -167,6 +167,8 @@ async def run_server(
                 await http_done.wait()
             nursery.cancel_scope.cancel()  # the engine loops
     finally:
+        for pool in state.router.pools if state.router else []:
+            pool.close()
         with trio.CancelScope(shield=True):
             await state.guard.aclose()
 

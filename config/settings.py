@@ -93,7 +93,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Compiled step shapes: a step of d decoding sequences and p prompt tokens runs in the
     # smallest compiled shape that holds it. Compiled: each decode bucket alone, and each
     # prefill bucket beside each of `mixed_decode_buckets` decodes (0: prompt-only steps).
-    # Each shape costs ~1-2 s of compile and ~20 MB of host memory on the CPU; the
+    # Each shape costs ~2 s of compile and ~27 MB of host memory on the CPU; the
     # padding a coarser set costs is measured in docs/benchmarks.md. Steady state never
     # compiles.
     decode_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
@@ -102,7 +102,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Prompt tokens in a step, padded up to one of these (each a multiple of 16, the
     # attention's query block); up to `max_prefill_seqs` prompts' chunks share a step.
     prefill_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
-        default_factory=lambda: [16, 32, 48, 64, 80, 96, 128, 256]
+        default_factory=lambda: [16, 32, 64, 96, 128, 256]
     )
     mixed_decode_buckets: Annotated[list[NonNegative], msgspec.Meta(min_length=1)] = (
         msgspec.field(default_factory=lambda: [4, 16]))

@@ -10,10 +10,11 @@ attention is grouped, into two calls of the attention backend per layer:
   token, so any mix of prefill chunks packs into the group (a chunk takes
   ceil(len / block_q) blocks) and one compiled shape serves them all.
 
-Layers are a `lax.scan` over weights stacked per layer: the compiled step holds one
-layer's code, whatever the depth, so a shape compiles in about a second and its
-executable stays small (unrolled, each of SmolLM2's 30 layers cost ~0.2-0.5 s of compile
-and ~6 MB of host memory per shape; docs/benchmarks.md). The KV pool is one array for K
+Layers are a `lax.scan`: the compiled step holds one layer's code, attention included,
+whatever the depth, so a shape compiles in a second or two and its executable stays small
+(unrolled, each of SmolLM2's 30 layers cost ~0.2-0.5 s of compile and ~6 MB of host
+memory per shape; docs/benchmarks.md). Weights are stacked per layer, except on the CPU
+the MLP's, kept per layer behind a switch (`_per_layer`). The KV pool is one array for K
 and one for V, `[layers * pages, page_size, kv_heads, head_dim]`, carried through the
 scan and written in place (the caller donates it); layer l's pages start at row
 `l * pages`, so attention reads a layer through a page offset, never a copy.
@@ -21,6 +22,7 @@ scan and written in place (the caller donates it); layer l's pages start at row
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -44,10 +46,11 @@ class StepBatch:
     prefill: Any  # ... and for the prefill group
 
 
-def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False
-                   ) -> dict:
-    """Loader layout -> device layout: per-layer weights stacked on a leading layer axis,
-    q/k/v and gate/up fused, cast to `dtype`.
+def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
+                   switched_mlp: bool = False) -> dict:
+    """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
+    layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
+    or (the MLP's, with `switched_mlp`) kept one dict per layer (see `_per_layer`).
 
     The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
     `forward(..., feature_major=True)` multiplies from the left (see there). Host copies
@@ -56,24 +59,34 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     def matrix(a):
         return np.ascontiguousarray(a.T) if feature_major else a
 
-    per_layer = {
-        "attn_norm": lambda lp: lp["attn_norm"],
-        "wqkv": lambda lp: matrix(np.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1)),
-        "wo": lambda lp: matrix(lp["wo"]),
-        "mlp_norm": lambda lp: lp["mlp_norm"],
-        "w_gate_up": lambda lp: matrix(np.concatenate([lp["w_gate"], lp["w_up"]], axis=1)),
-        "w_down": lambda lp: matrix(lp["w_down"]),
+    groups = {
+        "attn": {
+            "attn_norm": lambda lp: lp["attn_norm"],
+            "wqkv": lambda lp: matrix(np.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1)),
+            "wo": lambda lp: matrix(lp["wo"]),
+        },
+        "mlp": {
+            "mlp_norm": lambda lp: lp["mlp_norm"],
+            "w_gate_up": lambda lp: matrix(np.concatenate([lp["w_gate"], lp["w_up"]], axis=1)),
+            "w_down": lambda lp: matrix(lp["w_down"]),
+        },
     }
     if cfg.qkv_bias:
-        per_layer["bqkv"] = lambda lp: np.concatenate([lp["bq"], lp["bk"], lp["bv"]])
-    layers = {}
-    for name, get in per_layer.items():
-        first = np.asarray(get(params["layers"][0]))
-        stacked = np.empty((cfg.num_layers, *first.shape), np.dtype(dtype))
-        for i, lp in enumerate(params["layers"]):
-            stacked[i] = get(lp)
-        layers[name] = jnp.asarray(stacked)
-        del stacked
+        groups["attn"]["bqkv"] = lambda lp: np.concatenate([lp["bq"], lp["bk"], lp["bv"]])
+    layers: dict = {}
+    for group, tensors in groups.items():
+        if group == "mlp" and switched_mlp:
+            layers[group] = tuple({name: jnp.asarray(get(lp), dtype)
+                                   for name, get in tensors.items()} for lp in params["layers"])
+            continue
+        layers[group] = {}
+        for name, get in tensors.items():
+            first = np.asarray(get(params["layers"][0]))
+            host = np.empty((cfg.num_layers, *first.shape), np.dtype(dtype))
+            for i, lp in enumerate(params["layers"]):
+                host[i] = get(lp)
+            layers[group][name] = jnp.asarray(host)
+            del host
     out = {"embed": jnp.asarray(params["embed"], dtype),
            "final_norm": jnp.asarray(params["final_norm"], dtype), "layers": layers}
     if not cfg.tie_embeddings:
@@ -98,6 +111,18 @@ def rope_inv_freq(cfg: ModelConfig):
     elif rs and rs.get("rope_type", rs.get("type")) == "linear":
         inv = inv / rs["factor"]
     return np.asarray(inv, np.float32)
+
+
+def _per_layer(weights, i, fn, *args):
+    """`fn(layer i's weights, *args)`. Stacked weights (a dict of [layers, ...] arrays)
+    are sliced: one body for every layer, and XLA:GPU reads the slice in place. Per-layer
+    weights (a tuple of dicts) go through a switch whose branches multiply by one layer's
+    arrays directly: XLA:CPU copies a slice of a stacked weight before its matmul, and the
+    MLP's are 75% of a layer's bytes (the CPU layout, `prepare_params(switched_mlp=True)`:
+    docs/benchmarks.md has the step times and memory of each)."""
+    if isinstance(weights, dict):
+        return fn(jax.tree.map(lambda w: w[i], weights), *args)
+    return jax.lax.switch(i, [functools.partial(fn, lp) for lp in weights], *args)
 
 
 def _rms_norm(x, w, eps, axis=-1):
@@ -143,13 +168,24 @@ def forward(params, kv, b: StepBatch, attn_state=None, *, cfg: ModelConfig, inv_
     page_size = kv[0].shape[1]
     page_idx, page_off = b.slots // page_size, b.slots % page_size
 
-    def layer(carry, xs):
+    def attn_in(lp, x):  # the layer's input norm and fused q/k/v projection
+        qkv = lin(_rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ax), lp["wqkv"])
+        return qkv + (lp["bqkv"][:, None] if fm else lp["bqkv"]) if "bqkv" in lp else qkv
+
+    def attn_out(lp, x, attn):  # attention's output projection, added to the residual
+        return x + lin(attn, lp["wo"])
+
+    def mlp(lp, x):  # norm, gate/up, SiLU, down, added to the residual
+        gu = lin(_rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax), lp["w_gate_up"])
+        inter = cfg.intermediate_size
+        gate, up = (gu[:inter], gu[inter:]) if fm else (gu[:, :inter], gu[:, inter:])
+        return x + lin(jax.nn.silu(gate) * up, lp["w_down"])
+
+    weights = params["layers"]
+
+    def layer(carry, i):
         x, k_pool, v_pool = carry
-        lp, i = xs
-        hn = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ax)
-        qkv = lin(hn, lp["wqkv"])
-        if "bqkv" in lp:
-            qkv = qkv + (lp["bqkv"][:, None] if fm else lp["bqkv"])
+        qkv = _per_layer(weights["attn"], i, attn_in, x)
         q = rows(qkv, 0, h_ * d).reshape(t, h_, d)
         k = rows(qkv, h_ * d, (h_ + kvh) * d).reshape(t, kvh, d)
         v = rows(qkv, (h_ + kvh) * d, (h_ + 2 * kvh) * d).reshape(t, kvh, d)
@@ -170,16 +206,12 @@ def forward(params, kv, b: StepBatch, attn_state=None, *, cfg: ModelConfig, inv_
             op = attention.attend(qp, k_pool, v_pool, i, b.prefill, attn_state)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
-        x = x + lin(attn.T if fm else attn, lp["wo"])
-        hn = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax)
-        gu = lin(hn, lp["w_gate_up"])
-        inter = cfg.intermediate_size
-        gate, up = (gu[:inter], gu[inter:]) if fm else (gu[:, :inter], gu[:, inter:])
-        x = x + lin(jax.nn.silu(gate) * up, lp["w_down"])
+        x = _per_layer(weights["attn"], i, attn_out, x, attn.T if fm else attn)
+        x = _per_layer(weights["mlp"], i, mlp, x)
         return (x, k_pool, v_pool), None
 
     (x, k_pool, v_pool), _ = jax.lax.scan(
-        layer, (x, *kv), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        layer, (x, *kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
     if fm:  # [hidden, S] -> logits [S, vocab]
         hs = _rms_norm(x[:, b.sample_idx], params["final_norm"], cfg.rms_norm_eps, 0)
         logits = (params.get("lm_head", params["embed"]) @ hs).T

@@ -68,6 +68,7 @@ class ModelRunner:
         attention: str | None = None,
         attention_options: dict | None = None,
         feature_major: bool | None = None,
+        switched_mlp: bool | None = None,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -103,7 +104,12 @@ class ModelRunner:
         # on XLA:CPU at few rows (model/llama.py, forward); not measured on a GPU yet.
         self.feature_major = (jax.default_backend() == "cpu" if feature_major is None
                               else feature_major)
-        self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major)
+        # On the CPU the MLP weights stay per layer, behind a switch: XLA:CPU copies a slice
+        # of a stacked weight before its matmul (model/llama.py, _per_layer).
+        self.switched_mlp = (jax.default_backend() == "cpu" if switched_mlp is None
+                             else switched_mlp)
+        self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major,
+                                     switched_mlp=self.switched_mlp)
         self._inv_freq = rope_inv_freq(cfg)
         self._steps: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int], Callable] = {}
@@ -158,6 +164,7 @@ class ModelRunner:
             "buckets": len(self.programs.all),
             "buckets_ready": len(self.programs.ready),
             "feature_major": self.feature_major,
+            "switched_mlp": self.switched_mlp,
             **self.attention.describe(),
         }
 
@@ -186,6 +193,10 @@ class ModelRunner:
     @property
     def warmup_remaining(self) -> int:
         return self.programs.remaining
+
+    def close(self) -> None:
+        """Stop compiling in the background (after the shape being compiled now)."""
+        self.programs.close()
 
     def _warm_support(self) -> None:
         with self._lock:

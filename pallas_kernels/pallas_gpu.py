@@ -23,10 +23,12 @@ Two kernels share one inner loop (`_attend_key_blocks`, an online softmax over k
 Neither kernel writes anything but its output (the decode partials are outputs of its
 pallas_call, merged and dropped in the same jitted function).
 
-Reading pages in place. The pool stays [num_pages, page_size, kv_heads, head_dim]; a
-kernel's BlockSpec selects one KV head of the whole pool (a strided view: nothing is
-copied), and the kernel turns each key block's token positions into pool rows through the
-page table (page_tables[s, t // page_size] * page_size + t % page_size) and gathers them.
+Reading pages in place. The pool stays [num_pages, page_size, kv_heads, head_dim], never
+reshaped (a reshaped view beside the step's one-token write made XLA copy the whole pool:
+docs/architecture.md); a kernel's BlockSpec selects one KV head of it (a strided view:
+nothing is copied), and the kernel turns each key block's token positions into (page,
+offset) pairs through the page table (page_tables[s, t // page_size], t % page_size) and
+gathers them.
 So any page size works, a key block may span pages or start inside one, and the page table
 is read per key block from memory (the Triton lowering has no scalar prefetch). Page ids
 are clamped into the pool, so a bad table reads a wrong page, never outside the buffer.
@@ -38,6 +40,10 @@ docs/attention.md. Tuned block sizes live in `block_sizes.py`.
 
 `PallasBackend` (end of file) is how the runner uses these kernels: the pool's layers are
 one array, so a layer is a page offset added to the tables.
+
+The file reads top to bottom as JAX's own Pallas ops do (kernels, `pallas_call` wrappers,
+the validated public entry, the backend) and runs past 350 lines on purpose: a kernel and
+the launch that tiles it are read together.
 """
 
 from __future__ import annotations
@@ -68,8 +74,8 @@ def _attend_key_blocks(
     q,  # [rows, head_dim] value: the program's query rows
     q_pos,  # [rows] int32: position of each row's query
     row_ok,  # [rows] bool: row is a real query (not padding)
-    k_ref,  # [num_pages * page_size, head_dim] ref: one KV head of the pool, flat
-    v_ref,  # [num_pages * page_size, head_dim] ref
+    k_ref,  # [num_pages, page_size, head_dim] ref: one KV head of the pool
+    v_ref,  # [num_pages, page_size, head_dim] ref
     pt_ref,  # [padded_pages_per_seq] int32 ref: this sequence's page table
     kb_start,  # int32 scalar: first key block
     kb_end,  # int32 scalar: one past the last key block
@@ -82,7 +88,7 @@ def _attend_key_blocks(
     """Online softmax over key blocks [kb_start, kb_end). Returns (m, l, acc): the running
     max (log2 units), the running sum and the unnormalised output, all float32."""
     rows, head_dim = q.shape
-    last_page = k_ref.shape[0] // page_size - 1
+    last_page = k_ref.shape[0] - 1
     # Never past the (padded) page table, even if a context length overstates it.
     kb_end = jnp.minimum(kb_end, pt_ref.shape[0] * page_size // block_k)
 
@@ -91,9 +97,9 @@ def _attend_key_blocks(
         k_pos = kb * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
         pages = pt_ref[lax.div(k_pos, page_size)]  # [block_k]: a page id per key
         pages = jnp.clip(pages, 0, last_page)
-        pool_rows = pages * page_size + lax.rem(k_pos, page_size)
-        k = k_ref[pool_rows]  # [block_k, head_dim]
-        v = v_ref[pool_rows]  # [block_k, head_dim]
+        offsets = lax.rem(k_pos, page_size)
+        k = k_ref[pages, offsets]  # [block_k, head_dim]
+        v = v_ref[pages, offsets]  # [block_k, head_dim]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32)  # [rows, block_k]
         s = s * scale_log2
@@ -213,8 +219,8 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
 
 def _ragged_call(
     q5,  # [seqs, padded_queries, kv_heads, group, head_dim]
-    k_flat,  # [num_pages * page_size, kv_heads, head_dim]
-    v_flat,  # [num_pages * page_size, kv_heads, head_dim]
+    k_pages,  # [num_pages, page_size, kv_heads, head_dim]
+    v_pages,  # [num_pages, page_size, kv_heads, head_dim]
     page_tables,  # [seqs, padded_pages_per_seq] int32
     context_lens,  # [seqs] int32
     query_lens,  # [seqs] int32
@@ -229,12 +235,12 @@ def _ragged_call(
     interpret: bool,
 ):
     seqs, nq, kvh, group, d = q5.shape
-    tokens = k_flat.shape[0]
+    num_pages = k_pages.shape[0]
     pps = page_tables.shape[1]
     kernel = functools.partial(_ragged_kernel, page_size=page_size, block_k=block_k,
                                scale_log2=scale * _LOG2E, precision=precision)
     q_spec = pl.BlockSpec((None, block_q, None, group, d), lambda s, h, b: (s, b, h, 0, 0))
-    kv_spec = pl.BlockSpec((tokens, None, d), lambda s, h, b: (0, h, 0))
+    kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, b: (0, 0, h, 0))
     return pl.pallas_call(
         kernel,
         grid=(seqs, kvh, nq // block_q),
@@ -251,13 +257,13 @@ def _ragged_call(
         compiler_params=_compiler_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="paged_attention_ragged",
-    )(context_lens, query_lens, page_tables, q5, k_flat, v_flat)
+    )(context_lens, query_lens, page_tables, q5, k_pages, v_pages)
 
 
 def _decode_call(
     q4,  # [seqs, kv_heads, group, head_dim]
-    k_flat,  # [num_pages * page_size, kv_heads, head_dim]
-    v_flat,  # [num_pages * page_size, kv_heads, head_dim]
+    k_pages,  # [num_pages, page_size, kv_heads, head_dim]
+    v_pages,  # [num_pages, page_size, kv_heads, head_dim]
     page_tables,  # [seqs, padded_pages_per_seq] int32
     context_lens,  # [seqs] int32
     query_lens,  # [seqs] int32
@@ -272,11 +278,11 @@ def _decode_call(
     interpret: bool,
 ):
     seqs, kvh, group, d = q4.shape
-    tokens = k_flat.shape[0]
+    num_pages = k_pages.shape[0]
     pps = page_tables.shape[1]
     kernel = functools.partial(_decode_kernel, page_size=page_size, block_k=block_k,
                                scale_log2=scale * _LOG2E, precision=precision)
-    kv_spec = pl.BlockSpec((tokens, None, d), lambda s, h, j: (0, h, 0))
+    kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, j: (0, 0, h, 0))
     f32 = jnp.float32
     return pl.pallas_call(
         kernel,
@@ -302,7 +308,7 @@ def _decode_call(
         compiler_params=_compiler_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="paged_attention_decode",
-    )(context_lens, query_lens, page_tables, q4, k_flat, v_flat)
+    )(context_lens, query_lens, page_tables, q4, k_pages, v_pages)
 
 
 def _combine_splits(
@@ -410,9 +416,6 @@ def paged_attention_pallas(
     key_blocks = -(-pps * page_size // block_k)
     pps_pad = -(-key_blocks * block_k // page_size)
     page_tables = jnp.pad(page_tables, ((0, 0), (0, pps_pad - pps)))
-    # The pool as flat token rows (a free reshape; each kernel takes one KV head of it).
-    k_flat = k_pages.reshape(num_pages * page_size, kvh, d)
-    v_flat = v_pages.reshape(num_pages * page_size, kvh, d)
 
     if splits is None and queries == 1:
         splits = bs.decode_splits(seqs, kvh, pps * page_size, sizes)
@@ -422,7 +425,7 @@ def paged_attention_pallas(
         q4 = q.reshape(seqs, kvh, group, d)
         q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
         o, m, l = _decode_call(
-            q4, k_flat, v_flat, page_tables, context_lens, query_lens, splits=splits,
+            q4, k_pages, v_pages, page_tables, context_lens, query_lens, splits=splits,
             page_size=page_size, block_k=block_k, scale=scale, precision=precision,
             num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
         out = _combine_splits(o, m, l)[:, :, :group]
@@ -437,7 +440,7 @@ def paged_attention_pallas(
     q5 = q.reshape(seqs, queries, kvh, group, d)
     q5 = jnp.pad(q5, ((0, 0), (0, nq_pad - queries), (0, 0), (0, g_pad - group), (0, 0)))
     out = _ragged_call(
-        q5, k_flat, v_flat, page_tables, context_lens, query_lens, page_size=page_size,
+        q5, k_pages, v_pages, page_tables, context_lens, query_lens, page_size=page_size,
         block_q=block_q, block_k=block_k, scale=scale, precision=precision,
         num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
     return out[:, :queries, :, :group].reshape(seqs, queries, heads, d)

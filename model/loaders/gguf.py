@@ -183,7 +183,9 @@ def load_gguf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedM
                 w = unpermute_from_gguf(w, heads)
             if transpose:
                 w = w.T
-            flat[name] = np.ascontiguousarray(w, dtype=dt)
+            # A copy, never a view: an F32 tensor dequantizes to a view of the memory-mapped
+            # file, which would keep all of it resident for as long as the weights live.
+            flat[name] = np.array(w, dtype=dt, order="C")
             p.advance(task)
     return LoadedModel(config, unflatten(flat, config), tokenizer, str(path))
 

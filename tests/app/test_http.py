@@ -167,3 +167,21 @@ async def test_dead_engine_turns_health_and_requests_503():
         r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_health_and_metrics_say_what_is_still_warming():
+    """While a replica still compiles shapes in the background the server serves: /health
+    is 200 and says how many are left, /metrics has the count and the process's memory."""
+    async with serve() as srv, srv.client() as http:
+        srv.pool.engines[0].runner.warmup_remaining = 3
+        health = (await http.get("/health")).json()
+        assert health["status"] == "ok" and health["warmup_remaining_shapes"] == 3
+        assert "3 step shapes still compiling" in health["detail"]
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "abc",
+                                                     "max_tokens": 2})
+        assert r.status_code == 200
+        metrics = (await http.get("/metrics")).text
+        assert 'sluice:warmup_remaining_shapes{model="fake-model",pool="test"} 3.0' in metrics
+        rss = [line for line in metrics.splitlines()
+               if line.startswith("process_resident_memory_bytes ")]
+        assert rss and float(rss[0].split()[1]) > 10e6

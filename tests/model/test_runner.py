@@ -224,10 +224,11 @@ def _compare_shared_with_private(runner, rng):
 
 
 @pytest.mark.parametrize("variant", ["tied", "untied-with-bias"])
-def test_feature_major_and_row_major_layouts_agree(variant):
-    """The CPU default keeps the residual stream [hidden, T] with (out, in) weights; the
-    GPU path keeps [T, hidden] with (in, out) weights. Same logits, mixed step included,
-    for tied embeddings and for an untied lm_head with qkv biases."""
+def test_cpu_and_gpu_layouts_agree(variant):
+    """The CPU default keeps the residual stream [hidden, T] with (out, in) weights and
+    the MLP weights per layer behind a switch; the GPU path keeps [T, hidden] with (in,
+    out) weights, all stacked. Same logits, mixed step included, for tied embeddings and
+    for an untied lm_head with qkv biases."""
     cfg, params = TINY, random_params(TINY, seed=4)
     if variant != "tied":
         import dataclasses
@@ -244,8 +245,8 @@ def test_feature_major_and_row_major_layouts_agree(variant):
     for fm in (True, False):
         r = ModelRunner(cfg, params, page_size=8, num_pages=32, max_context=256,
                         decode_buckets=(2,), prefill_buckets=(64,), block_q=8,
-                        max_prefill_seqs=2, feature_major=fm)
-        assert r.describe()["feature_major"] is fm
+                        max_prefill_seqs=2, feature_major=fm, switched_mlp=fm)
+        assert r.describe()["feature_major"] is fm and r.describe()["switched_mlp"] is fm
         r.warmup()
         toks = list(range(3, 23))
         r.step(StepPlan([chunk(0, toks, 0, [1, 2, 3]), chunk(1, toks[:9], 0, [4, 5, 6])]))
