@@ -9,6 +9,7 @@
     sluice convert SRC DST                                   (any source -> orbax)
     sluice bench-engine [...]                                (model/bench.py)
     sluice bench [...] / sluice bench-sweep [...]            (app/bench/)
+    sluice batch submit|status|results|list|cancel [...]    (app/batch_cli.py)
 
 Commands import model/ (and JAX) only when they need it, so `sluice chat` starts at once.
 The last three `serve` flags override every pool's scheduler settings, for operators and
@@ -97,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.set_defaults(run=_convert)
 
+    from .batch_cli import add_parser as add_batch
+
+    add_batch(sub)
     sub.add_parser("bench-engine", help="engine benchmark (model/bench.py; see its --help)")
     sub.add_parser("bench", help="serving benchmark against a server (app/bench; --help)")
     sub.add_parser("bench-sweep", help="benchmark sweep over targets (app/bench; --help)")

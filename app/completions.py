@@ -18,12 +18,16 @@ import trio
 from scheduler.api import EngineDead, GenerateRequest, Overloaded
 from scheduler.protocol import SamplingParams
 
+from .adapters import check_tenant
 from .errors import APIError, bad_request, rate_limited, unavailable
 from .pools import Pool
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, decode_body
 from .state import Flight, Phase, ServerState
 from .tenants import Tenant
 
+# A batch job's request waits in an engine's queue for idle capacity, however long: its
+# batch's window, not the queue deadline, bounds it (app/batches/worker.py).
+BATCH_QUEUE_DEADLINE_S = 1e9
 # Prompts longer than this many characters are tokenized in a worker thread, so a 4 MiB
 # body does not stall every other stream on the event loop.
 THREAD_TOKENIZE_CHARS = 20_000
@@ -59,6 +63,11 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
     arrival = trio.current_time()
     check_phase(state)
     tenant = state.tenants.authenticate(authorization)
+    return await admit_parsed(state, kind, parse(kind, body), tenant, arrival)
+
+
+def parse(kind: str, body: bytes) -> Parsed:
+    """Decode and check a completion body (400 naming the parameter)."""
     if kind == "chat":
         req = decode_body(body, ChatCompletionRequest)
         max_tokens = _chat_checks(req)
@@ -70,46 +79,103 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
     if req.stream_options is not None and not req.stream:
         raise bad_request("`stream_options` is only allowed when `stream` is true.",
                           param="stream_options")
+    return Parsed(req, max_tokens, logprobs)
 
+
+@dataclass
+class Parsed:
+    req: ChatCompletionRequest | CompletionRequest
+    max_tokens: int | None
+    logprobs: int | None
+
+
+@dataclass
+class BatchRun:
+    """How a batch job's request runs (app/batches/worker.py): in the background class,
+    or raised into the interactive one at `priority` when its deadline is at risk."""
+
+    background: bool = True
+    priority: int | None = None
+
+
+class _NoLease:
+    """Batch requests are bounded by the batch quota, not the tenant's interactive one."""
+
+    def release(self, used_tokens: int = 0) -> None:
+        pass
+
+
+async def resolve(state: ServerState, kind: str, p: Parsed, tenant: Tenant
+                  ) -> tuple[Pool, list[int], str, int, str | None]:
+    """Model (or adapter), tokens and pool of a parsed request: (pool, prompt ids, prompt
+    text, max_tokens, adapter). 404/403/400 as for any request."""
     router = state.router
     assert router is not None
+    req = p.req
     candidates = router.candidates(req.model)
+    adapter = req.model if router.is_adapter(req.model) else None
+    if adapter is not None:
+        check_tenant(tenant, adapter)
     prompt_ids, text = await _tokenize(candidates[0], req)
-    pool = router.choose(candidates, len(prompt_ids), max_tokens)
+    pool = router.choose(candidates, len(prompt_ids), p.max_tokens)
+    max_tokens = p.max_tokens
     if max_tokens is None:
         max_tokens = pool.max_context - len(prompt_ids)
         if pool.config.default_max_tokens is not None:
             max_tokens = min(max_tokens, pool.config.default_max_tokens)
+    return pool, prompt_ids, text, max_tokens, adapter
 
-    if len(state.flights) >= state.settings.server.max_streams:
-        state.metrics.reject(pool.model_name, pool.name, "max_streams")
-        raise rate_limited(
-            f"The server is at its limit of {state.settings.server.max_streams} requests "
-            "in flight.", 1.0, code="server_busy")
-    try:
-        lease = state.tenants.admit(tenant, len(prompt_ids) + max_tokens)
-    except APIError as e:
-        state.metrics.reject(pool.model_name, pool.name, e.detail.code or "tenant")
-        raise
-    flight = Flight(state, pool, lease, len(prompt_ids))
-    state.add_flight(flight)
+
+async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
+                       arrival: float, *, batch: BatchRun | None = None) -> Admitted:
+    """From a parsed request to a `Flight` in an engine. A batch job's request skips the
+    stream bound and the tenant's interactive quota (the batch quota bounds it) and is
+    not one of the server's flights (a drain does not wait for it: it runs again after
+    a restart)."""
+    req = p.req
+    pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
+
+    if batch is None:
+        if len(state.flights) >= state.settings.server.max_streams:
+            state.metrics.reject(pool.model_name, pool.name, "max_streams")
+            raise rate_limited(
+                f"The server is at its limit of {state.settings.server.max_streams} "
+                "requests in flight.", 1.0, code="server_busy")
+        try:
+            lease = state.tenants.admit(tenant, len(prompt_ids) + max_tokens)
+        except APIError as e:
+            state.metrics.reject(pool.model_name, pool.name, e.detail.code or "tenant")
+            raise
+    else:
+        lease = _NoLease()
+    flight = Flight(state, pool, lease, len(prompt_ids))  # type: ignore[arg-type]
+    if batch is None:
+        state.add_flight(flight)
     try:
         await state.guard.check_input(text=text, tenant=tenant.name, model=pool.model_name)
         request_id = uuid.uuid4().hex
+        priority = tenant.priority_for(req.priority)
+        if batch is not None and batch.priority is not None:
+            priority = max(priority, batch.priority)
         greq = GenerateRequest(
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=_sampling(req, pool, logprobs),
+            sampling=_sampling(req, pool, p.logprobs),
             stop=_stops(req.stop),
             stop_token_ids=_stop_token_ids(req.stop_token_ids, pool),
             ignore_eos=req.ignore_eos,
             tenant=tenant.name,
-            priority=tenant.priority_for(req.priority),
+            priority=priority,
             weight=tenant.config.weight,
             tenant_max_running=tenant.config.max_running,
-            cache_salt=tenant.cache_salt,
-            deadline_s=tenant.config.queue_deadline_s,
+            # Pages computed under an adapter serve only that load of it (the scheduler
+            # adds the adapter's name; the generation tells two loads of one name apart).
+            cache_salt=tenant.cache_salt if adapter is None else
+            f"{tenant.cache_salt}\x00{_generation(pool, adapter)}",
+            adapter=adapter,
+            deadline_s=BATCH_QUEUE_DEADLINE_S if batch else tenant.config.queue_deadline_s,
             request_id=request_id,
+            batch=batch is not None and batch.background,
         )
         flight.submitted(*_submit(pool, greq))
         if flight.closed:
@@ -122,10 +188,10 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
         kind=kind,
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
         created=int(time.time()),
-        model=pool.model_name,
+        model=adapter or pool.model_name,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        logprobs=logprobs,
+        logprobs=p.logprobs,
         tenant=tenant,
         arrival=arrival,
     )
@@ -236,3 +302,9 @@ def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _generation(pool: Pool, adapter: str) -> int:
+    """This load of the adapter (0 if it was unloaded meanwhile: `pool.submit` says 404)."""
+    info = pool.adapters.by_name.get(adapter)
+    return 0 if info is None else info.generation

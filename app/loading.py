@@ -68,8 +68,26 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     runner = runners[0]
     # A request must fit one replica's KV pool whole (page 0 is the null page).
     max_context = min(runner.max_context, (runner.num_pages - 1) * runner.page_size)
-    return Pool(cfg, tokenizer, engines, max_context=max_context,
-                vocab_size=config.vocab_size)
+    pool = Pool(cfg, tokenizer, engines, max_context=max_context,
+                vocab_size=config.vocab_size, adapter_reader=adapter_reader(config, cfg))
+    for a in cfg.adapters:  # declared adapters; a bad one stops the start, naming the file
+        try:
+            pool.adapters.load_blocking(a.name, a.path)
+        except ValueError as e:
+            raise ValueError(f"pool {cfg.name!r}: adapter {a.name!r}: {e}") from None
+    return pool
+
+
+def adapter_reader(config, cfg: PoolConfig) -> Callable[[str, str], Any] | None:
+    """How the pool reads a LoRA adapter for its runners (None: it serves none)."""
+    if not cfg.max_loras:
+        return None
+    from model.lora import load_peft_adapter
+
+    def read(name: str, path: str):
+        return load_peft_adapter(path, name, config, max_rank=cfg.max_lora_rank)
+
+    return read
 
 
 async def load_pools(settings: Settings, show_progress: bool = True) -> list[Pool]:

@@ -18,6 +18,7 @@ Two sources:
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Iterator
 
@@ -41,6 +42,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.router: Router | None = None  # set once the pools are loaded
+        self.batches = None  # app.batches.Batches, when batch jobs are on
         self.app_rejections: Counter[tuple[str, str, str]] = Counter()  # (model, pool, reason)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -99,6 +101,20 @@ class _EngineCollector:
         warming = gauge("warmup_remaining_shapes",
                         "Step shapes still compiling in the background (0: warm-up done).")
 
+        # vLLM's adapter gauge: the value is the time of the scrape, the labels say which
+        # adapters run and wait (comma-separated) and how many slots there are.
+        lora_info = GaugeMetricFamily(
+            "sluice:lora_requests_info", "Running stats on LoRA adapters.",
+            labels=LABELS + ("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
+        lora_requests = counter("lora_requests", "Requests submitted, by LoRA adapter.",
+                                ("adapter",))
+        lora_tokens = counter("lora_generation_tokens", "Tokens generated, by LoRA adapter.",
+                              ("adapter",))
+        lora_loads = counter("lora_slot_loads", "LoRA adapters copied into a device slot.")
+        lora_swaps = counter("lora_slot_swaps",
+                             "Slot loads that replaced another adapter (a swap).")
+        lora_loaded = gauge("lora_adapters_loaded", "LoRA adapters registered (any slot).")
+
         router = self.metrics.router
         reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
         for pool in router.pools if router else []:
@@ -125,7 +141,58 @@ class _EngineCollector:
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
+            if pool.config.max_loras:
+                _lora(stats, lv, pool.config.max_loras, len(pool.adapters.by_name),
+                      (lora_info, lora_requests, lora_tokens, lora_loads, lora_swaps,
+                       lora_loaded))
         for (model, pool_name, reason), n in sorted(reasons.items()):
             rejected.add_metric([model, pool_name, reason], n)
+        if self.metrics.batches is not None:
+            yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
-                    hits, preempt, prompt, gen, rejected, real, padded, warming)
+                    hits, preempt, prompt, gen, rejected, real, padded, warming, lora_info,
+                    lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
+
+
+def _lora(stats: list, lv: list[str], max_loras: int, loaded: int, families: tuple) -> None:
+    """One pool's adapter metrics, summed over its replicas' `EngineStats.adapters`."""
+    info, requests, tokens, loads, swaps, registered = families
+    running: Counter[str] = Counter()
+    waiting: Counter[str] = Counter()
+    by_req: Counter[str] = Counter()
+    by_tok: Counter[str] = Counter()
+    for s in stats:
+        a = s.adapters
+        running.update(a.get("running", {}))
+        waiting.update(a.get("waiting", {}))
+        by_req.update(a.get("requests", {}))
+        by_tok.update(a.get("tokens", {}))
+    info.add_metric(lv + [",".join(sorted(running)), ",".join(sorted(waiting)),
+                          str(max_loras)], time.time())
+    for name in sorted(by_req):
+        requests.add_metric(lv + [name], by_req[name])
+        tokens.add_metric(lv + [name], by_tok[name])
+    loads.add_metric(lv, sum(s.adapters.get("loads", 0) for s in stats))
+    swaps.add_metric(lv, sum(s.adapters.get("swaps", 0) for s in stats))
+    registered.add_metric(lv, loaded)
+
+
+
+def _batch_metrics(st: dict) -> Iterator[Metric]:
+    """Batch jobs, from the worker's books (no store query at scrape time)."""
+    req = GaugeMetricFamily("sluice:batch_requests",
+                            "Batch requests of unfinished batches, and finished since start, "
+                            "by state.", labels=("state",))
+    for state in ("pending", "running", "completed", "failed"):
+        req.add_metric([state], st[state])
+    yield req
+    yield CounterMetricFamily("sluice:batch_tokens", "Tokens generated for batch requests "
+                              "finished since start (in generation_tokens_total too).",
+                              value=st["tokens"])
+    yield GaugeMetricFamily("sluice:batch_oldest_pending_age_seconds",
+                            "Age of the oldest batch with requests not yet finished.",
+                            value=st["oldest_pending_age_s"])
+    yield GaugeMetricFamily("sluice:batches_at_risk", "Unfinished batches whose measured pace "
+                            "would miss their completion window.", value=st["at_risk"])
+    yield GaugeMetricFamily("sluice:batches_active", "Batches not yet ended.",
+                            value=st["active"])

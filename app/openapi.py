@@ -14,11 +14,13 @@ import msgspec
 from .errors import ErrorBody
 from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                       CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health,
-                      ModelList, TokenizeRequest, TokenizeResponse)
+                      LoadLoraAdapterRequest, LoraAdapterCard, ModelList, TokenizeRequest,
+                      TokenizeResponse, UnloadLoraAdapterRequest)
 
 _TYPES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
           ChatCompletion, ChatCompletionChunk, Completion, ModelList, TokenizeResponse,
-          DetokenizeResponse, Health, ErrorBody)
+          DetokenizeResponse, Health, ErrorBody, LoadLoraAdapterRequest, LoraAdapterCard,
+          UnloadLoraAdapterRequest)
 _REF = "#/components/schemas/{name}"
 
 
@@ -87,6 +89,19 @@ def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
             "requestBody": {"required": True, "content": _json(DetokenizeRequest)},
             "responses": {"200": {"description": "Text", "content": _json(DetokenizeResponse)},
                           **_errors(400, 401, 404, 413, 503)}}},
+        "/v1/load_lora_adapter": {"post": {
+            "summary": "Load a LoRA adapter (PEFT directory) at run time; admin key only",
+            "security": [{"bearer": []}],
+            "requestBody": {"required": True, "content": _json(LoadLoraAdapterRequest)},
+            "responses": {"200": {"description": "Loaded", "content": _json(LoraAdapterCard)},
+                          **_errors(400, 401, 403, 413, 503)}}},
+        "/v1/unload_lora_adapter": {"post": {
+            "summary": "Unload a LoRA adapter (running requests finish); admin key only",
+            "security": [{"bearer": []}],
+            "requestBody": {"required": True, "content": _json(UnloadLoraAdapterRequest)},
+            "responses": {"200": {"description": "Unloaded", "content": {
+                "application/json": {"schema": {"type": "object"}}}},
+                          **_errors(400, 401, 403, 404, 413, 503)}}},
         "/health": {"get": {"summary": "200 when serving; 503 loading, draining or dead",
                             "responses": {"200": {"description": "Serving",
                                                   "content": _json(Health)},

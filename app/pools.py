@@ -19,6 +19,7 @@ import trio
 from config.settings import PoolConfig
 from scheduler.api import EngineDead, EngineStats, GenerateRequest, Overloaded
 
+from .adapters import PoolAdapters, Reader
 from .errors import bad_request, not_found
 
 
@@ -40,6 +41,7 @@ class Pool:
         *,
         max_context: int,
         vocab_size: int,
+        adapter_reader: Reader | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -47,6 +49,7 @@ class Pool:
         self.max_context = max_context
         self.vocab_size = vocab_size
         self._in_flight = [0] * len(engines)
+        self.adapters = PoolAdapters(self, adapter_reader)  # LoRA adapters (app/adapters.py)
 
     @property
     def name(self) -> str:
@@ -85,6 +88,9 @@ class Pool:
         A replica whose queue is full refuses at once; the next one gets a try, and only
         when all refuse does the caller see `Overloaded` (or `EngineDead` if none is alive).
         """
+        if req.adapter is not None and req.adapter not in self.adapters:
+            raise not_found(f"The lora adapter '{req.adapter}' was unloaded.", param="model",
+                            code="model_not_found")  # while the request was being admitted
         order = sorted(range(len(self.engines)), key=self._in_flight.__getitem__)
         refusal: Overloaded | None = None
         for i in order:
@@ -137,15 +143,22 @@ class Router:
     def alive(self) -> bool:
         return all(p.alive for p in self.pools)
 
+    def is_adapter(self, model: str | None) -> bool:
+        """Does `model` name a LoRA adapter (rather than a pool's base model)?"""
+        return model is not None and model not in self.by_name and any(
+            model in p.adapters for p in self.pools)
+
     def candidates(self, model: str | None) -> list[Pool]:
-        """Pools serving `model` (None: the first pool's model), or 404."""
+        """Pools serving `model`, a base model or an adapter (None: the first pool's
+        model), or 404."""
         if model is None:
             return self.by_name[self.pools[0].model_name]
-        found = self.by_name.get(model)
+        found = self.by_name.get(model) or [p for p in self.pools if model in p.adapters]
         if not found:
+            adapters = [a for p in self.pools for a in p.adapters.by_name]
             raise not_found(
                 f"The model `{model}` does not exist. Available: "
-                + ", ".join(sorted(self.by_name)) + ".",
+                + ", ".join(sorted(self.by_name) + sorted(adapters)) + ".",
                 param="model",
                 code="model_not_found",
             )

@@ -13,14 +13,17 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from .adapters import check_admin, load_adapter, unload_adapter
+from .batches.routes import register_batch_routes
 from .completions import admit, check_phase, encode_messages
 from .errors import bad_request, unavailable
 from .guardrails import OutputGate
 from .metrics import CONTENT_TYPE
 from .openapi import openapi_spec
 from .pools import Pool
-from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, ModelCard, ModelList,
-                      TokenizeRequest, TokenizeResponse, decode_body)
+from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, LoadLoraAdapterRequest,
+                      LoraAdapterCard, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                      UnloadLoraAdapterRequest, decode_body)
 from .state import Phase, ServerState
 from .streaming import collect, sse_body
 
@@ -34,6 +37,7 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
     server = state.settings.server
+    register_batch_routes(app, state)
 
     async def generate(kind: str) -> Response:
         body = await request.get_data(cache=False)
@@ -65,7 +69,29 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
             raise unavailable("The model is still loading; retry shortly.", "model_loading")
         cards = [ModelCard(name, started, p.max_context, p.config.model)
                  for p in state.router.pools for name in p.config.served_model_names]
+        cards += [ModelCard(a.name, a.created, p.max_context, a.path, parent=p.model_name)
+                  for p in state.router.pools for a in p.adapters.by_name.values()]
         return json_response(ModelList(cards))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter() -> Response:
+        check_admin(server, state.tenants, request.headers.get("Authorization"))
+        check_phase(state)
+        req = decode_body(await request.get_data(cache=False), LoadLoraAdapterRequest)
+        assert state.router is not None
+        pool, a = await load_adapter(state.router, req.lora_name, req.lora_path,
+                                     req.base_model)
+        return json_response(LoraAdapterCard(a.name, pool.model_name, a.path, a.rank,
+                                             list(a.targets)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter() -> Response:
+        check_admin(server, state.tenants, request.headers.get("Authorization"))
+        check_phase(state)
+        req = decode_body(await request.get_data(cache=False), UnloadLoraAdapterRequest)
+        assert state.router is not None
+        unload_adapter(state.router, req.lora_name)
+        return json_response({"id": req.lora_name, "object": "lora_adapter", "deleted": True})
 
     @app.get("/health")
     async def health() -> Response:
@@ -114,4 +140,6 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
     @app.get("/openapi.json")
     async def openapi() -> Response:
         names = tuple(n for p in state.settings.pools for n in p.served_model_names)
+        if state.router is not None:  # and the adapters loaded now
+            names += tuple(a for p in state.router.pools for a in p.adapters.by_name)
         return Response(openapi_spec(names), content_type="application/json")

@@ -202,9 +202,35 @@ class ModelCard(msgspec.Struct):
     id: str
     created: int
     max_model_len: int
-    root: str  # the pool's model source
+    root: str  # the pool's model source; an adapter's directory
     object: str = "model"
     owned_by: str = "sluice"
+    parent: str | None = None  # an adapter's base model (vLLM's field); None for a base
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's POST /v1/load_lora_adapter body (`base_model`: ours, to pick a pool when
+    several serve adapters)."""
+
+    lora_name: str
+    lora_path: str
+    base_model: str | None = None
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM sends it; unused
+
+
+class LoraAdapterCard(msgspec.Struct):
+    """What a load answers: the adapter as /v1/models will list it."""
+
+    id: str
+    parent: str
+    root: str
+    rank: int
+    target_modules: list[str]
+    object: str = "lora_adapter"
 
 
 class ModelList(msgspec.Struct):

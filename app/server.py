@@ -45,6 +45,16 @@ def create_app(state: ServerState) -> QuartTrio:
     app = QuartTrio("sluice")
     app.config["RESPONSE_TIMEOUT"] = None  # Quart's 60 s default silently cuts long streams
     app.config["MAX_CONTENT_LENGTH"] = state.settings.server.max_body_bytes
+    # Batch files may be bigger than any request body (each path's own limit).
+    limits = {"/v1/files": max(state.settings.batches.max_file_bytes,
+                               state.settings.server.max_body_bytes)}
+
+    class Request(app.request_class):  # type: ignore[name-defined, misc]
+        def __init__(self, method, scheme, path, *args, max_content_length=None, **kw):
+            super().__init__(method, scheme, path, *args,
+                             max_content_length=limits.get(path, max_content_length), **kw)
+
+    app.request_class = Request
     register_routes(app, state, started=int(time.time()))
 
     @app.errorhandler(APIError)
@@ -128,8 +138,14 @@ async def run_server(
     handle_signals: bool = True,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until drained. `task_status.started(binds)` once the port is bound."""
+    """Serve until drained. `task_status.started(binds)` once the port is bound. The
+    batch store is opened first: a second server on the same store stops here, before
+    binding (`StoreLocked`)."""
     cfg = state.settings.server
+    from .batches import open_batches
+
+    state.batches = await open_batches(state)
+    state.metrics.batches = state.batches
     hconf = HyperConfig()
     hconf.bind = [f"{cfg.host}:{cfg.port}"]
     hconf.graceful_timeout = 5.0  # streams were already drained; this only flushes writes
@@ -158,6 +174,8 @@ async def run_server(
                 for pool in pools:
                     await nursery.start(pool.run)
                 state.ready(Router(pools))
+                if state.batches is not None:  # stored batches go on where they were
+                    await nursery.start(state.batches.worker.run)
                 if on_ready:
                     on_ready(binds)
                 await state.drain_requested.wait()
@@ -171,6 +189,8 @@ async def run_server(
             pool.close()
         with trio.CancelScope(shield=True):
             await state.guard.aclose()
+            if state.batches is not None:
+                await state.batches.aclose()
 
 
 async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:

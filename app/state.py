@@ -80,6 +80,7 @@ class ServerState:
     flights: set[Flight] = field(default_factory=set)
     idle: trio.Event = field(default_factory=trio.Event)  # set whenever flights empties
     drain_requested: trio.Event = field(default_factory=trio.Event)
+    batches: Any = None  # app.batches.Batches once the store is open (None: batch jobs off)
 
     def request_drain(self) -> None:
         """Begin a graceful shutdown (what SIGINT/SIGTERM do); server.py carries it out."""

@@ -45,7 +45,7 @@ class Reader:
         self.coalesce = coalesce
         self.events = adm.flight.handle.events
         self.last_token_at: float | None = None
-        labels = (adm.model, adm.flight.pool.name)
+        labels = (adm.flight.pool.model_name, adm.flight.pool.name)  # adapters: their base
         m = adm.flight.state.metrics
         self.ttft, self.itl = m.ttft.labels(*labels), m.itl.labels(*labels)
         self.e2e, self.queue = m.e2e.labels(*labels), m.queue.labels(*labels)

@@ -129,6 +129,14 @@ class Tenants:
                            code="invalid_api_key")
         return tenant
 
+    def named(self, name: str) -> Tenant:
+        """The tenant called `name` (a batch job's owner); the anonymous tenant when none
+        is (tenants removed from the config since keep their batches running as it)."""
+        for tenant in self.by_digest.values():
+            if tenant.name == name:
+                return tenant
+        return self.anonymous
+
     def admit(self, tenant: Tenant, cost_tokens: int) -> Lease:
         """Take a concurrency slot and charge the token quota, or raise 429."""
         cfg = tenant.config

@@ -44,6 +44,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_slowdown: float = 0.4
     min_prefill_tokens: int = 16
     short_prefill_tokens: int = 256  # a prompt with at most this much left is prefilled whole
+    # Batch jobs run in idle capacity (scheduler/background.py): beside interactive decodes
+    # a step may grow by at most this fraction for batch work, and batch sequences are
+    # admitted only while this fraction of the KV pages stays free.
+    batch_slowdown: float = 0.1
+    batch_kv_reserve: float = 0.2
 
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -71,6 +76,16 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Extra wait before each write to let more tokens pile up (0: write as soon as a token
     # is there). Trades a little inter-token latency for CPU under heavy load.
     sse_flush_interval_s: Seconds = 0.0
+    # SHA-256 of the key that may load and unload LoRA adapters at run time
+    # (POST /v1/load_lora_adapter, /v1/unload_lora_adapter). None: those endpoints are off.
+    admin_api_key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+
+
+class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A LoRA adapter in the PEFT layout, served on its pool's base model as `name`."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    path: str  # a directory with adapter_config.json and adapter_model.safetensors
 
 
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -119,8 +134,25 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the prompt (e.g. a long-context pool with min_prompt_tokens = 8192).
     min_prompt_tokens: NonNegative = 0
     max_prompt_tokens: Positive | None = None
+    # LoRA adapters (docs/operations.md, "Adapters"): `max_loras` device slots (0: no
+    # adapters, and steps carry no LoRA code), each holding one adapter of rank up to
+    # `max_lora_rank` for all seven projections; host memory keeps up to `max_cpu_loras`
+    # more ready to copy in (None: as many as there are slots; the rest are re-read from
+    # disk when needed). Adapters listed here load at start; more at run time.
+    max_loras: NonNegative = 0
+    max_lora_rank: Positive = 16
+    max_cpu_loras: NonNegative | None = None
+    adapters: list[AdapterConfig] = []
 
     def __post_init__(self) -> None:
+        if self.adapters and not self.max_loras:
+            raise ValueError(f"pool {self.name!r} lists adapters but max_loras is 0: give it "
+                             "at least one adapter slot")
+        names = [a.name for a in self.adapters]
+        clash = sorted({n for n in names if names.count(n) > 1 or n in self.served_model_names})
+        if clash:
+            raise ValueError(f"adapter names must be unique and differ from the served model "
+                             f"names: {', '.join(clash)}")
         odd = [b for b in self.prefill_buckets if b % 16]
         if odd:
             raise ValueError(f"prefill_buckets must be multiples of 16 (the attention's "
@@ -161,6 +193,11 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `queue_deadline_s` (a tenant sending background work may wait longer).
     queue_deadline_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     share_prefix_cache: bool = False  # let prefix-cache hits cross into other tenants
+    # LoRA adapters this tenant may ask for by name (None: any; []: only base models).
+    adapters: list[str] | None = None
+    # Batch jobs: prompt + max_tokens not yet run, over all its batches (None: the
+    # [batches] max_pending_tokens).
+    max_batch_tokens: Positive | None = None
 
 
 class GuardrailConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -181,6 +218,24 @@ class GuardrailConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_window_chars: Positive = 256
 
 
+class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Batch jobs (`/v1/files` + `/v1/batches`, docs/operations.md "Batch jobs"): stored in
+    SQLite under `data_dir`, run in idle capacity, each by its deadline."""
+
+    enabled: bool = True
+    # Where the store lives (None: $SLUICE_DATA_DIR, else ~/.local/share/sluice). One
+    # server per directory: a second one refuses to start.
+    data_dir: str | None = None
+    max_file_bytes: Positive = 200 * 1024 * 1024  # an uploaded JSONL file
+    max_requests: Positive = 50_000  # lines in one batch
+    # Prompt + max_tokens of a tenant's requests not yet run, over all its batches (a
+    # tenant's own `max_batch_tokens` wins).
+    max_pending_tokens: Positive = 50_000_000
+    # Batch requests handed to each replica's engine at once (the rest wait in the store).
+    max_in_flight: Positive = 16
+    max_window_s: Annotated[float, msgspec.Meta(gt=0)] = 30 * 86400.0
+
+
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     server: ServerConfig = ServerConfig()
     pools: Annotated[list[PoolConfig], msgspec.Meta(min_length=1)] = msgspec.field(
@@ -188,6 +243,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     )
     tenants: list[TenantConfig] = []
     guardrails: GuardrailConfig = GuardrailConfig()
+    batches: BatchConfig = BatchConfig()
 
     def __post_init__(self) -> None:
         for what, names in (

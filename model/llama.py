@@ -44,6 +44,7 @@ class StepBatch:
     sample_idx: jax.Array  # [sample_rows] int32: which flat tokens' logits to compute
     decode: Any  # the attention backend's metadata for the decode group (opaque)
     prefill: Any  # ... and for the prefill group
+    lora_slots: jax.Array | None = None  # [T] int32: each token's adapter slot, -1: none
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
@@ -125,6 +126,28 @@ def _per_layer(weights, i, fn, *args):
     return jax.lax.switch(i, [functools.partial(fn, lp) for lp in weights], *args)
 
 
+def _lora_delta(x, a, bs, mask, fm: bool):
+    """The LoRA delta of one fused projection for every token, under its own slot's
+    adapter, as two plain matmuls over every slot at once ("stacked mask").
+
+    Layer slices of `model/adapter_slots.py`'s arrays: a is [targets * S * R, in] (row
+    j * S * R + s * R + r: target j, slot s; [in, targets * S * R] row-major); bs holds
+    one [out, S * R] per target ([S * R, out]); mask is [S, T] ([T, S]): 1 where token t
+    runs under slot s. Returns [sum(out), T] ([T, sum(out)])."""
+    n = len(bs)
+    if fm:
+        s_, t = mask.shape
+        h = a @ x  # [targets * S * R, T]
+        r = h.shape[0] // (n * s_)
+        h = (h.reshape(n, s_, r, t) * mask[None, :, None, :]).reshape(n, s_ * r, t)
+        return jnp.concatenate([bj @ h[j] for j, bj in enumerate(bs)], axis=0)
+    t, s_ = mask.shape
+    h = x @ a  # [T, targets * S * R]
+    r = h.shape[1] // (n * s_)
+    h = (h.reshape(t, n, s_, r) * mask[:, None, :, None]).reshape(t, n, s_ * r)
+    return jnp.concatenate([h[:, j] @ bj for j, bj in enumerate(bs)], axis=-1)
+
+
 def _rms_norm(x, w, eps, axis=-1):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
@@ -140,13 +163,20 @@ def _rope(x, cos, sin):
     return jnp.concatenate([xf1 * cos - xf2 * sin, xf2 * cos + xf1 * sin], -1).astype(x.dtype)
 
 
-def forward(params, kv, b: StepBatch, attn_state=None, *, cfg: ModelConfig, inv_freq,
-            attention, dec_rows: int, pf_blocks: int, block_q: int,
+def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelConfig,
+            inv_freq, attention, dec_rows: int, pf_blocks: int, block_q: int,
             feature_major: bool = False):
     """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32).
 
     `attention` is an `AttentionBackend` (pallas_kernels); `b.decode`/`b.prefill` carry
     its metadata and `attn_state` whatever device state it keeps across steps.
+
+    `lora`: the runner's LoRA adapter slots (`lora_slots` below), or None. Each token adds
+    the delta of the adapter in its slot (`b.lora_slots`) to the four fused projections:
+    every slot's A and B are applied to every token and masked by the token's slot (the
+    "stacked mask" form: one compiled shape for any mix of adapters, at S x the LoRA
+    FLOPs, small beside the base matmuls for a few slots of rank 16), and a step with no
+    adapter token skips it all (a `cond`).
 
     `feature_major` (params from `prepare_params(..., feature_major=True)`): the residual
     stream is kept as [hidden, T] and every weight multiplies from the left, (out, in) @
@@ -168,24 +198,48 @@ def forward(params, kv, b: StepBatch, attn_state=None, *, cfg: ModelConfig, inv_
     page_size = kv[0].shape[1]
     page_idx, page_off = b.slots // page_size, b.slots % page_size
 
-    def attn_in(lp, x):  # the layer's input norm and fused q/k/v projection
-        qkv = lin(_rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ax), lp["wqkv"])
-        return qkv + (lp["bqkv"][:, None] if fm else lp["bqkv"]) if "bqkv" in lp else qkv
+    if lora is not None:  # which slot's delta each token takes (none: all 0)
+        n_slots = lora["o"][1][0].shape[2 if fm else 1]
+        mask = (b.lora_slots[:, None] == jnp.arange(n_slots)[None, :]).astype(x.dtype)
+        mask = mask.T if fm else mask
+        any_adapter = (b.lora_slots >= 0).any()
 
-    def attn_out(lp, x, attn):  # attention's output projection, added to the residual
-        return x + lin(attn, lp["wo"])
+    def adapted(y, x, group, i):  # y + the LoRA delta of x for one fused projection
+        if lora is None:
+            return y
 
-    def mlp(lp, x):  # norm, gate/up, SiLU, down, added to the residual
-        gu = lin(_rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax), lp["w_gate_up"])
+        def delta(y, x):  # layer i's slices, taken only when some token needs them
+            a, bs = lora[group]
+            a = a[i].reshape(-1, a.shape[-1]) if fm else a[i].reshape(a.shape[1], -1)
+            bs = [(bj[i].reshape(bj.shape[1], -1) if fm else bj[i].reshape(-1, bj.shape[-1]))
+                  for bj in bs]
+            return y + _lora_delta(x, a, bs, mask, fm)
+
+        return jax.lax.cond(any_adapter, delta, lambda y, x: y, y, x)
+
+    def attn_in(lp, x, i):  # the layer's input norm and fused q/k/v projection
+        hn = _rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ax)
+        qkv = lin(hn, lp["wqkv"])
+        if "bqkv" in lp:
+            qkv = qkv + (lp["bqkv"][:, None] if fm else lp["bqkv"])
+        return adapted(qkv, hn, "qkv", i)
+
+    def attn_out(lp, x, attn, i):  # attention's output projection, added to the residual
+        return x + adapted(lin(attn, lp["wo"]), attn, "o", i)
+
+    def mlp(lp, x, i):  # norm, gate/up, SiLU, down, added to the residual
+        hn = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax)
+        gu = adapted(lin(hn, lp["w_gate_up"]), hn, "gate_up", i)
         inter = cfg.intermediate_size
         gate, up = (gu[:inter], gu[inter:]) if fm else (gu[:, :inter], gu[:, inter:])
-        return x + lin(jax.nn.silu(gate) * up, lp["w_down"])
+        act = jax.nn.silu(gate) * up
+        return x + adapted(lin(act, lp["w_down"]), act, "down", i)
 
     weights = params["layers"]
 
     def layer(carry, i):
         x, k_pool, v_pool = carry
-        qkv = _per_layer(weights["attn"], i, attn_in, x)
+        qkv = _per_layer(weights["attn"], i, attn_in, x, i)
         q = rows(qkv, 0, h_ * d).reshape(t, h_, d)
         k = rows(qkv, h_ * d, (h_ + kvh) * d).reshape(t, kvh, d)
         v = rows(qkv, (h_ + kvh) * d, (h_ + 2 * kvh) * d).reshape(t, kvh, d)
@@ -206,8 +260,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, *, cfg: ModelConfig, inv_
             op = attention.attend(qp, k_pool, v_pool, i, b.prefill, attn_state)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
-        x = _per_layer(weights["attn"], i, attn_out, x, attn.T if fm else attn)
-        x = _per_layer(weights["mlp"], i, mlp, x)
+        x = _per_layer(weights["attn"], i, attn_out, x, attn.T if fm else attn, i)
+        x = _per_layer(weights["mlp"], i, mlp, x, i)
         return (x, k_pool, v_pool), None
 
     (x, k_pool, v_pool), _ = jax.lax.scan(

@@ -33,6 +33,7 @@ class StepLayout:
     tokens: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
     slots: np.ndarray  # [T] int32: page * page_size + offset; padding writes slot 0
+    lora_slots: np.ndarray  # [T] int32: the adapter slot of each token's sequence (-1: none)
     sample_idx: np.ndarray  # [sample_rows] int32: flat token whose logits each row takes
     decode: GroupLayout
     prefill: GroupLayout
@@ -70,6 +71,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
     tokens = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
     slots = np.zeros(t, np.int32)
+    lora_slots = np.full(t, -1, np.int32)
     decode = GroupLayout.empty(nd, pages_per_seq)
     prefill = GroupLayout.empty(blocks, pages_per_seq)
     sample_idx = np.zeros(n_samples, np.int32)
@@ -81,6 +83,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         tokens[i] = c.token_ids[0]
         positions[i] = pos
         slots[i] = pt[pos // ps] * ps + pos % ps
+        lora_slots[i] = c.adapter_slot
         decode.page_tables[i, :len(pt)] = pt
         decode.context_lens[i] = pos + 1
         decode.query_lens[i] = 1
@@ -95,6 +98,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         tokens[flat:flat + n] = c.token_ids
         positions[flat:flat + n] = pos
         slots[flat:flat + n] = pt[pos // ps] * ps + pos % ps
+        lora_slots[flat:flat + n] = c.adapter_slot
         for j in range(-(-n // bq)):
             q = min(bq, n - j * bq)
             prefill.page_tables[blk, :len(pt)] = pt
@@ -106,8 +110,8 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
             samples.append(c)
         flat += -(-n // bq) * bq
     real = sum(len(c.token_ids) for c in (*dec, *pf))
-    return StepLayout(bucket, tokens, positions, slots, sample_idx, decode, prefill,
-                      samples, real)
+    return StepLayout(bucket, tokens, positions, slots, lora_slots, sample_idx, decode,
+                      prefill, samples, real)
 
 
 def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples: int,
@@ -125,6 +129,6 @@ def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples:
         g.query_lens[:] = queries
         return g
 
-    return StepLayout(bucket, zeros, zeros.copy(), zeros.copy(),
+    return StepLayout(bucket, zeros, zeros.copy(), zeros.copy(), np.full(t, -1, np.int32),
                       np.zeros(n_samples, np.int32), group(nd, 1), group(blocks, block_q),
                       [], 0)

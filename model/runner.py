@@ -26,6 +26,7 @@ from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .base import resolve_dtype
+from .adapter_slots import LoraSlots
 from .config import ModelConfig
 from .llama import StepBatch, forward, prepare_params, rope_inv_freq
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
@@ -69,6 +70,9 @@ class ModelRunner:
         attention_options: dict | None = None,
         feature_major: bool | None = None,
         switched_mlp: bool | None = None,
+        adapter_slots: int = 0,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -110,6 +114,12 @@ class ModelRunner:
                              else switched_mlp)
         self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major,
                                      switched_mlp=self.switched_mlp)
+        # LoRA adapters held on the device at once (model/adapter_slots.py); 0: none, and
+        # the compiled steps carry no LoRA code at all.
+        self.adapter_slots = adapter_slots
+        self.lora = LoraSlots(cfg, adapter_slots, max_rank=max_lora_rank, dtype=self.dtype,
+                              feature_major=self.feature_major,
+                              max_cpu=max_cpu_loras) if adapter_slots else None
         self._inv_freq = rope_inv_freq(cfg)
         self._steps: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int], Callable] = {}
@@ -127,7 +137,21 @@ class ModelRunner:
                    decode_buckets=pool.decode_buckets, prefill_buckets=pool.prefill_buckets,
                    mixed_decode_buckets=pool.mixed_decode_buckets,
                    max_prefill_seqs=pool.max_prefill_seqs, dtype=pool.dtype,
-                   attention=None if pool.attention == "auto" else pool.attention)
+                   attention=None if pool.attention == "auto" else pool.attention,
+                   adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
+                   max_cpu_loras=pool.max_cpu_loras)
+
+    # ------------------------------------------------------------------------ adapters
+    def add_adapter(self, adapter) -> None:
+        """Register a LoRA adapter (`model.lora.load_peft_adapter`); the scheduler puts it
+        in a slot when a sequence needs it."""
+        if self.lora is None:
+            raise ValueError("this runner has no adapter slots (max_loras = 0)")
+        self.lora.add(adapter)
+
+    def drop_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.drop(name)
 
     # ----------------------------------------------------------------- limits and buckets
     @property
@@ -165,6 +189,8 @@ class ModelRunner:
             "buckets_ready": len(self.programs.ready),
             "feature_major": self.feature_major,
             "switched_mlp": self.switched_mlp,
+            "adapter_slots": self.adapter_slots,
+            "adapter_slot_bytes": 0 if self.lora is None else self.lora.nbytes,
             **self.attention.describe(),
         }
 
@@ -205,6 +231,8 @@ class ModelRunner:
                 null = np.zeros(_COPY_BUCKET * self.config.num_layers, np.int32)
                 self.kv = self._copy(self.kv, null, null)  # first run: page 0 onto itself
             self.attention.warmup(self.kv)
+            if self.lora is not None:
+                self.lora.compile()
 
     def _build(self, b: Bucket) -> None:
         """Compile bucket `b`'s step and samplers, then run each once on inputs that touch
@@ -216,19 +244,21 @@ class ModelRunner:
         with self._lock:
             batch = self._batch(layout, [])
             state = self.attention.state
+            lora = None if self.lora is None else self.lora.arrays
         fn = functools.partial(
             forward, cfg=self.config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             feature_major=self.feature_major)
         step = jax.jit(fn, donate_argnums=(1,)).lower(
-            spec(self.params), spec(self.kv), spec(batch), spec(state)).compile()
+            spec(self.params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
         rows = self._sample_rows(b)
         for kind in SAMPLERS:
             if (kind, rows) not in self._samplers:
                 self._samplers[(kind, rows)] = self._compile_sampler(kind, rows)
         with self._lock:
             batch = self._batch(layout, [])
-            self.kv, logits = step(self.params, self.kv, batch, self.attention.state)
+            self.kv, logits = step(self.params, self.kv, batch, self.attention.state,
+                                   None if self.lora is None else self.lora.arrays)
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
                     logits, *self._sampling_args(kind, rows, [])))
@@ -266,6 +296,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             if plan.copies:
                 self._run_copies(plan.copies)
+            for slot, name in plan.adapter_loads:
+                self.lora.load(slot, name)
             if not plan.chunks:
                 return StepResult(sampled={}, device_seconds=time.perf_counter() - t0)
             dec, pf, need = split(plan, self.limits.max_decode_seqs, self.block_q)
@@ -279,8 +311,9 @@ class ModelRunner:
                           pages_per_seq=self.pool.pages_per_seq,
                           n_samples=self._sample_rows(bucket))
             batch = self._batch(layout, plan.copies)
-            self.kv, logits = self._steps[bucket](self.params, self.kv, batch,
-                                                  self.attention.state)
+            self.kv, logits = self._steps[bucket](
+                self.params, self.kv, batch, self.attention.state,
+                None if self.lora is None else self.lora.arrays)
             sampled = self._sample(layout.samples, logits, self._sample_rows(bucket))
             if not layout.samples:
                 # Nothing sampled, so nothing waited for the step: wait here. Otherwise
@@ -300,7 +333,8 @@ class ModelRunner:
         dec, pf = self.attention.prepare(self.kv, (layout.decode, layout.prefill),
                                          layout.slots, copies)
         return StepBatch(tokens=layout.tokens, positions=layout.positions, slots=layout.slots,
-                         sample_idx=layout.sample_idx, decode=dec, prefill=pf)
+                         sample_idx=layout.sample_idx, decode=dec, prefill=pf,
+                         lora_slots=None if self.lora is None else layout.lora_slots)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         layers = np.arange(self.config.num_layers, dtype=np.int32)[:, None] * self.num_pages

@@ -49,6 +49,13 @@ class SchedulerQueries(Protocol):
 
     @property
     def waiting_tokens(self) -> int: ...
+    # ... of which batch jobs', which give way to interactive requests
+    @property
+    def batch_running(self) -> int: ...
+    @property
+    def batch_waiting(self) -> int: ...
+    @property
+    def batch_waiting_tokens(self) -> int: ...
 
     @property
     def prefill_token_s(self) -> float | None: ...
@@ -96,9 +103,13 @@ class Admission:
         self.validate(req)
         sched, cfg = self.scheduler, self.config
         prompt_tokens = len(req.prompt_ids)
-        if sched.num_waiting >= cfg.max_waiting:
+        waiting, tokens = sched.num_waiting, sched.waiting_tokens
+        if not req.batch:  # batch jobs waiting give way: they do not fill the queue
+            waiting -= sched.batch_waiting
+            tokens -= sched.batch_waiting_tokens
+        if waiting >= cfg.max_waiting:
             raise self.refuse("queue_full", self.retry_after())
-        if sched.waiting_tokens + prompt_tokens > cfg.max_waiting_tokens:
+        if tokens + prompt_tokens > cfg.max_waiting_tokens:
             raise self.refuse("queue_tokens", self.retry_after())
         if not req.batch:
             self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
@@ -134,8 +145,9 @@ class Admission:
         wait = self.expected_wait(step_ends_at=step_ends_at)
         if wait is None or wait <= 0.0:
             return
+        sched = self.scheduler
         own = (self.prefill_estimate(prompt_tokens)
-               + self.scheduler.step_estimate(self.scheduler.num_running, 0))
+               + sched.step_estimate(sched.num_running - sched.batch_running, 0))
         ttft = wait + own if own <= target else wait
         if ttft > target:
             raise self.refuse("queue_wait", wait, f"expected time to first token "
@@ -150,17 +162,20 @@ class Admission:
         hit rate) at the measured cost of a prefill token, and what is left of the step in
         flight (expected to end at `step_ends_at`). Prompts already running are not ahead
         of it: their chunks share steps with newcomers (a 6,000-token prefill in progress
-        does not delay a short question's admission). None when there is no estimate yet
-        (the count bound still applies)."""
+        does not delay a short question's admission), nor are batch jobs (they give way).
+        None when there is no estimate yet (the count bound still applies)."""
         sched = self.scheduler
         wait: float | None = None
-        ahead = sched.num_waiting + 1 - max(0, sched.max_running - sched.num_running)
+        running = sched.num_running - sched.batch_running
+        ahead = (sched.num_waiting - sched.batch_waiting + 1
+                 - max(0, sched.max_running - running))
         if ahead <= 0:
             wait = 0.0
         elif (rate := self.completion_rate()) is not None:
             wait = ahead / rate
         if sched.prefill_token_s:
-            wait = (wait or 0.0) + self.prefill_estimate(sched.waiting_tokens)
+            wait = (wait or 0.0) + self.prefill_estimate(
+                sched.waiting_tokens - sched.batch_waiting_tokens)
         if wait is not None and wait > 0.0 and step_ends_at is not None:
             wait += max(0.0, step_ends_at - self.clock())  # the step in flight
         return wait
@@ -189,4 +204,5 @@ class Admission:
         rate = self.completion_rate()
         if rate is None:
             return 1.0
-        return min(60.0, max(0.1, (self.scheduler.num_waiting + 1) / rate))
+        sched = self.scheduler
+        return min(60.0, max(0.1, (sched.num_waiting - sched.batch_waiting + 1) / rate))

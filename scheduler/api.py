@@ -29,6 +29,7 @@ class GenerateRequest:
     request_id: str | None = None  # a uuid4 hex is assigned when None
     deadline_s: float | None = None  # longest queue wait before shedding; None: the pool's
     batch: bool = False  # background batch job: runs only in idle capacity
+    adapter: str | None = None  # LoRA adapter to run under (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,9 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     alive: bool
+    # LoRA adapters (scheduler/adapters.py): slots, resident, running / waiting sequences
+    # and requests / tokens by adapter, slot loads and swaps.
+    adapters: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

@@ -72,7 +72,7 @@ class Engine:
         self.clock = clock
         self.scheduler = Scheduler(config, num_pages=runner.num_pages,
                                    page_size=runner.page_size, limits=runner.limits,
-                                   clock=clock)
+                                   clock=clock, adapter_slots=runner.adapter_slots)
         self.admission = Admission(self.scheduler, config, clock,
                                    max_context=runner.max_context)
         self._log = StepLog(step_records)
@@ -103,6 +103,8 @@ class Engine:
             raise EngineDead(f"engine {self.name!r} is dead")
         if self._draining:
             raise self.admission.refuse("draining", 0.0, "server is draining; retry elsewhere")
+        if req.adapter is not None and not self.runner.adapter_slots:
+            raise ValueError(f"adapter {req.adapter!r}: this model has no adapter slots")
         self.admission.check(req, step_ends_at=self._step_ends_at)
 
         now = self.clock()
@@ -135,6 +137,12 @@ class Engine:
         if seq is not None and not seq.aborted:
             self._abort_request(seq)
             self._wakeup.set()
+
+    def retire_adapter(self, name: str) -> None:
+        """An adapter was unloaded: its weights go once no sequence here needs them (the
+        app refuses new requests for it; queued and running ones finish)."""
+        if self.scheduler.adapters.retire(name):
+            self.runner.drop_adapter(name)
 
     def start_draining(self) -> None:
         """Refuse new work (Overloaded "draining"); what is queued or running finishes."""
@@ -249,7 +257,8 @@ class Engine:
         pool now, final event queued and delivery tried. A second call is a no-op."""
         if seq.phase is Phase.DONE:
             return
-        self.scheduler.finish(seq)
+        if (unused := self.scheduler.finish(seq)) is not None:
+            self.runner.drop_adapter(unused)  # unloaded, and its last sequence is gone
         now = self.clock()
         seq.finished_at = now
         seq.finish_reason = reason

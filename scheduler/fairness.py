@@ -46,6 +46,7 @@ class FairQueue:
         self.num_waiting = 0
         self.num_tokens = 0  # tokens of waiting sequences (the queue's token bound)
         self.num_interactive = 0
+        self.num_batch_tokens = 0  # of those tokens, batch jobs'
 
     def __len__(self) -> int:
         return self.num_waiting
@@ -116,6 +117,8 @@ class FairQueue:
         self.num_tokens += d * len(seq.token_ids)
         if not seq.batch:
             self.num_interactive += d
+        else:
+            self.num_batch_tokens += d * len(seq.token_ids)
         t = seq.tenant
         n = self._waiting_of.get(t, 0)
         if d > 0 and n == 0 and not self._running_of.get(t):

@@ -20,12 +20,15 @@
    batch within one iteration. A head that does not fit blocks the ones behind it (small
    requests must not starve a big urgent one forever). A sequence whose next uncached page
    is being computed right now by a running prefill waits for it instead (then it hits
-   the prefix cache), and the sequences behind it go ahead.
+   the prefix cache), and the sequences behind it go ahead. A sequence with a LoRA
+   adapter also needs an adapter slot (`adapters.py`); without one it waits, base-model
+   sequences go ahead, and no other adapter sequence takes a slot past it.
 
 Static mode gathers up to `static_batch_size` sequences when nothing runs, and admits no
 one else until they have all finished: the baseline continuous batching is compared to.
 
-Only host state changes here; the runner sees the result as a `StepPlan`.
+Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
+to ~390 lines: the whole per-iteration policy, read in one place.)
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Callable
 
 from config.settings import SchedulerConfig
 
+from .adapters import AdapterSlots
+from .background import BackgroundShare
 from .fairness import FairQueue
 from .pages import PageAllocator
 from .protocol import SampledToken, StepLimits, StepPlan, StepResult
@@ -65,11 +70,13 @@ class Scheduler:
         page_size: int,
         limits: StepLimits,
         clock: Callable[[], float] = time.monotonic,
+        adapter_slots: int = 0,
     ) -> None:
         self.config = config
         self.limits = limits
         self.clock = clock
         self.pages = PageAllocator(num_pages, page_size, prefix_cache=config.prefix_cache)
+        self.adapters = AdapterSlots(adapter_slots)
         self.waiting = FairQueue()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, admission order
         self.num_preemptions = 0
@@ -84,11 +91,14 @@ class Scheduler:
                                   prefill_slowdown=config.prefill_slowdown,
                                   min_prefill_tokens=config.min_prefill_tokens)
         self.adaptive_prefill = config.adaptive_prefill and not self.static
+        self.background = BackgroundShare(config, self.cost)  # batch jobs' share
 
     # -- the queue's side ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.phase = Phase.QUEUED
         self.waiting.push(seq)
+        if seq.adapter is not None:
+            self.adapters.added(seq.adapter)
 
     def expired(self, now: float) -> list[Sequence]:
         """Take out the waiting sequences past their queue deadline (the engine sheds them)."""
@@ -109,6 +119,18 @@ class Scheduler:
     @property
     def waiting_tokens(self) -> int:  # tokens queued: what `max_waiting_tokens` bounds
         return self.waiting.num_tokens
+
+    @property
+    def batch_running(self) -> int:  # batch jobs' sequences among the running
+        return sum(1 for s in self.running.values() if s.batch)
+
+    @property
+    def batch_waiting(self) -> int:
+        return self.waiting.num_waiting - self.waiting.num_interactive
+
+    @property
+    def batch_waiting_tokens(self) -> int:
+        return self.waiting.num_batch_tokens
 
     @property
     def prefill_token_s(self) -> float | None:  # measured; None before a prefill step
@@ -138,7 +160,8 @@ class Scheduler:
             kv_pages_total=pages.num_usable, kv_pages_in_use=pages.num_in_use,
             kv_pages_cached=pages.num_cached, kv_pages_free=pages.num_free,
             prefix_cache_queries_tokens=pages.query_tokens,
-            prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions)
+            prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions,
+            adapters=self.adapters.stats())
 
     # -- one iteration -------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -147,11 +170,24 @@ class Scheduler:
         batch = Batch(StepPlan(chunks=[], copies=[]), [], 0)
         if self.static and not self.running:
             self._admit_group(batch)
+        elif not self.static:
+            self._make_room(batch)
 
         order = sorted(self.running.values(), key=Sequence.victim_key.fget)
-        self._schedule_decodes(order, batch)
+        interactive = any(not s.batch for s in order)
+        self._schedule_decodes(order, batch, interactive)
         num_decode = len(batch.seqs)
         batch.num_decode = num_decode
+        # Batch jobs' prefill beside interactive work: what the step's slack allows, and
+        # only in a step that prefills an interactive prompt anyway (a prefill chunk moves
+        # a decode step up to a bigger compiled shape: a batch prompt must not be why).
+        bg = self.background.prefill_tokens(
+            sum(1 for s in batch.seqs if not s.batch), num_decode) if interactive else None
+
+        def batch_prefill() -> int | None:  # tokens a batch prompt may take now (None: any)
+            if bg is None:
+                return None
+            return bg if any(not s.batch for s in batch.seqs[num_decode:]) else 0
 
         budget = min(cfg.max_step_tokens - num_decode, lim.max_prefill_tokens)
         # Beside decodes, a long prompt's chunk is capped by the measured step cost (so the
@@ -165,7 +201,9 @@ class Scheduler:
 
         def limit(seq: Sequence) -> int:
             rest = seq.num_tokens - seq.num_computed_tokens
-            return budget if rest <= short else min(budget, soft)
+            n = budget if rest <= short else min(budget, soft)
+            room = batch_prefill() if seq.batch else None
+            return n if room is None else min(n, room)
 
         slots = lim.max_prefill_seqs
         for seq in order:
@@ -176,13 +214,23 @@ class Scheduler:
                 budget -= n
                 soft -= n
                 slots -= n > 0
+                if bg is not None and seq.batch:
+                    bg -= n
 
         if not self.static:
             skip: set[Sequence] = set()
+            slot_wanted = False  # an adapter sequence waits for a slot: no other takes one
             while budget > 0 and slots > 0 and len(self.running) < self.max_running:
                 seq = self.waiting.peek(skip)
                 if seq is None:
                     break
+                if seq.batch and batch_prefill() == 0:
+                    break  # batch jobs are the last class: nothing behind is interactive
+                if seq.adapter is not None and (
+                        slot_wanted or not self.adapters.available(seq.adapter)):
+                    slot_wanted = True
+                    skip.add(seq)
+                    continue
                 admitted = self._admit(seq, batch)
                 if admitted is None:
                     skip.add(seq)  # waits for a prefix being computed right now
@@ -193,6 +241,8 @@ class Scheduler:
                 budget -= n
                 soft -= n
                 slots -= n > 0
+                if bg is not None and seq.batch:
+                    bg -= n
                 if n == 0:
                     break  # admitted; its prefill starts next step
 
@@ -200,11 +250,18 @@ class Scheduler:
             return None
         return batch
 
-    def _schedule_decodes(self, order: list[Sequence], batch: Batch) -> None:
+    def _schedule_decodes(self, order: list[Sequence], batch: Batch,
+                          interactive: bool) -> None:
         pages = self.pages
         ps = pages.page_size
         chunks, seqs, copies = batch.plan.chunks, batch.seqs, batch.plan.copies
         decode = Phase.DECODE
+        # Batch decodes beside interactive work: only as many as the step's slack allows
+        # (the others keep their pages and wait a step).
+        n_bat = sum(1 for s in order if s.batch and s.phase is decode)
+        rows = self.background.decode_rows(
+            sum(1 for s in order if not s.batch and s.phase is decode), n_bat,
+            interactive) if n_bat else 0
         end = len(order)  # order[i:end] are not planned yet: the only possible victims
         i = 0
         while i < end:
@@ -212,6 +269,10 @@ class Scheduler:
             i += 1
             if seq.phase is not decode:
                 continue
+            if seq.batch:
+                if rows <= 0:
+                    continue
+                rows -= 1
             pos = len(seq.token_ids) - 1  # the last sampled token is written at its position
             idx = pos // ps
             table = seq.kv_pages
@@ -269,10 +330,16 @@ class Scheduler:
         need = pages.pages_for(num_tokens) - len(hits) + full_hit
         leaving_lru = sum(1 for p in hits if pages.ref[p] == 0)
         reserve = self.config.kv_reserve_pages if self.running else 0
-        if need + reserve > pages.num_available - leaving_lru:
+        available = pages.num_available - leaving_lru
+        if need + reserve > available or (
+                seq.batch and not self.background.kv_ok(need, available, pages.num_usable)):
             return False
 
         self.waiting.admit(seq)
+        if seq.adapter is not None:  # available: checked by the caller
+            seq.adapter_slot, load = self.adapters.acquire(seq.adapter)
+            if load:
+                batch.plan.adapter_loads.append((seq.adapter_slot, seq.adapter))
         pages.acquire(hits)
         seq.kv_pages.extend(hits)
         seq.num_computed_tokens = num_tokens - 1 if full_hit else cached
@@ -298,13 +365,33 @@ class Scheduler:
     def _admit_group(self, batch: Batch) -> None:
         while len(self.running) < self.max_running:
             seq = self.waiting.peek()
-            if seq is None or not self._admit(seq, batch, wait_for_prefix=False):
+            if seq is None or (seq.adapter is not None
+                               and not self.adapters.available(seq.adapter)):
                 return
+            if not self._admit(seq, batch, wait_for_prefix=False):
+                return
+
+    def _make_room(self, batch: Batch) -> None:
+        """An interactive request waits for a running slot or for pages held by batch jobs'
+        sequences: those give them up (least urgent first; recomputed later)."""
+        if not self.waiting.num_interactive:
+            return
+        head = self.waiting.peek()
+        if head is None or head.batch:
+            return
+        victims = sorted((s for s in self.running.values() if s.batch),
+                         key=Sequence.victim_key.fget, reverse=True)
+        pages = self.pages
+        need = pages.pages_for(head.num_tokens) + self.config.kv_reserve_pages
+        while victims and (len(self.running) >= self.max_running
+                           or pages.num_available < need):
+            self._preempt(victims.pop(0), batch)
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         """Recompute later: release the pages, back to the front of the line."""
         del self.running[seq.seq_id]
         self.pages.free(seq)
+        self._release_adapter(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.queued_at = self.clock()
@@ -342,16 +429,29 @@ class Scheduler:
                     raise RuntimeError(f"runner returned no token for seq {seq.seq_id}")
                 seq.token_ids.append(tok.token_id)
                 seq.output_ids.append(tok.token_id)
+                if seq.adapter is not None:
+                    self.adapters.tokens[seq.adapter] += 1
                 seq.phase = Phase.DECODE
                 out.append((seq, tok))
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Take a sequence out for good (finished, aborted, shed, failed): pages back now."""
+    def finish(self, seq: Sequence) -> str | None:
+        """Take a sequence out for good (finished, aborted, shed, failed): pages back now.
+        Returns the name of an unloaded adapter that nothing needs any more: the caller
+        drops its weights from the runner."""
         if seq.is_running:
             del self.running[seq.seq_id]
             self.pages.free(seq)
             self.waiting.stopped(seq)
+            self._release_adapter(seq)
         elif seq.phase is Phase.QUEUED:
             self.waiting.remove(seq)
         seq.phase = Phase.DONE
+        if seq.adapter is not None and self.adapters.ended(seq.adapter):
+            return seq.adapter
+        return None
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is not None and seq.adapter_slot >= 0:
+            self.adapters.release(seq.adapter)
+            seq.adapter_slot = -1

@@ -10,7 +10,9 @@ Invariants a runner may rely on:
   page ids are in ``[1, num_pages)`` (page 0 is the null page that padding writes to);
 - the pages a chunk writes (positions ``start_pos ..``) are owned by that sequence alone
   (shared prefix pages are never written: copy-on-write happens through `copies`);
-- `copies` run before any chunk of the same plan reads or writes the pool.
+- `copies` run before any chunk of the same plan reads or writes the pool;
+- `adapter_loads` fill their adapter slots before the step, and a chunk's `adapter_slot`
+  holds its adapter for as long as the sequence runs.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class SeqChunk:
     # Tokens that penalties count (generated tokens; the prompt counts for repetition_penalty).
     penalty_token_ids: Sequence[int] = ()
     prompt_token_ids: Sequence[int] = ()
+    adapter_slot: int = -1  # the LoRA adapter slot its tokens run under; -1: the base model
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class StepPlan:
 
     chunks: list[SeqChunk]
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src_page, dst_page)
+    adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter)
 
     @property
     def num_tokens(self) -> int:
@@ -125,12 +129,17 @@ class Runner(Protocol):
     num_pages: int  # including the null page 0
     max_context: int  # positions the model supports
     eos_token_ids: frozenset[int]
+    adapter_slots: int  # LoRA adapters it can hold at once (0: none)
 
     @property
     def limits(self) -> StepLimits: ...
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one step. Called from a worker thread, one at a time."""
+        ...
+
+    def drop_adapter(self, name: str) -> None:
+        """Forget an adapter no live sequence uses any more (it was unloaded)."""
         ...
 
 

@@ -40,6 +40,7 @@ class Sequence:
         "request_id", "seq_id", "phase",
         "prompt_ids", "token_ids", "output_ids", "max_tokens",
         "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
+        "adapter", "adapter_slot",
         "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
@@ -69,7 +70,11 @@ class Sequence:
         self.weight = req.weight if req.weight > 0 else 1.0
         self.batch = req.batch
         self.max_running = req.tenant_max_running
-        self.cache_salt = req.cache_salt
+        # Pages computed under one adapter never serve another, nor the base model.
+        self.cache_salt = (req.cache_salt if req.adapter is None
+                           else f"{req.cache_salt}\x00lora:{req.adapter}")
+        self.adapter = req.adapter  # LoRA adapter name, None: the base model
+        self.adapter_slot = -1  # the slot holding it while the sequence runs
         self.kv_pages: list[int] = []  # page table: page id per page_size positions
         self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)
         self.num_computed_tokens = 0
@@ -132,6 +137,7 @@ class Sequence:
             num_generated=len(self.output_ids),
             penalty_token_ids=self.output_ids,
             prompt_token_ids=self.prompt_ids,
+            adapter_slot=self.adapter_slot,
         )
 
     def finish_event(self) -> FinishEvent:

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def batch_store_dir(tmp_path_factory):
+    """Servers in tests (and the ones they spawn) keep their batch store here, never in
+    the user's ~/.local/share/sluice."""
+    path = tmp_path_factory.mktemp("sluice-data")
+    old = os.environ.get("SLUICE_DATA_DIR")
+    os.environ["SLUICE_DATA_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("SLUICE_DATA_DIR", None)
+    else:
+        os.environ["SLUICE_DATA_DIR"] = old
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,7 @@ class Shooter:
 
     async def _send(self, spec: RequestSpec, rec: RequestRecord) -> None:
         try:
-            await send(self.http, spec, rec, model=self.model, extra=self.extra,
+            await send(self.http, spec, rec, model=spec.model or self.model, extra=self.extra,
                        timeout_s=self.timeout_s)
         finally:
             self.in_flight -= 1

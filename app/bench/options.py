@@ -51,6 +51,8 @@ class BenchConfig:
     capacity_duration_s: float = 120.0
     max_inflight: int = 512
     metrics_interval_s: float = 1.0
+    adapters: int = 0  # spread requests over this many LoRA adapters of the model
+    adapter_dist: str = "uniform"
     progress: bool = True
     out: Path | None = None
 
@@ -110,6 +112,12 @@ def _common(p: argparse.ArgumentParser) -> None:
       help="do not call POST /tokenize; assume 0.75 words a token")
     a("--words-per-token", type=float, help="use this ratio instead of calibrating")
     a("--system-tokens", type=int, help="shared-prefix: system prompt length (2000)")
+    a("--adapters", type=int, default=0, metavar="N",
+      help="spread the requests over N LoRA adapters of the model (the first N that "
+           "GET /v1/models lists with it as parent), asked for by name; warm-up "
+           "requests visit them in turn")
+    a("--adapter-dist", choices=("uniform", "zipf"), default="uniform",
+      help="how requests pick an adapter (zipf: adapter k gets 1/(k+1) of the share)")
     a("--metrics-interval", dest="metrics_interval_s", metavar="S", type=float, default=1.0,
       help="seconds between /metrics samples (default 1)")
     a("--out", type=Path, metavar="DIR",

@@ -10,6 +10,7 @@ sends an open loop at a multiple of it. Server metrics cover the measured phase 
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,13 +20,13 @@ import httpx
 import trio
 
 from .client import RequestRecord, open_client
-from .loops import Shooter, closed_loop, open_loop
+from .loops import Shooter, SpecOf, closed_loop, open_loop
 from .options import BenchConfig
 from .progress import RunProgress
 from .server_metrics import Sampler
 from .stats import interference, summarize
-from .workloads import (DEFAULT_WORDS_PER_TOKEN, LongInterference, Workload, calibrate,
-                        make_workload)
+from .workloads import (DEFAULT_WORDS_PER_TOKEN, AdapterMix, LongInterference, Workload,
+                        calibrate, make_workload)
 
 CAPACITY_INDEX = 1_000_000  # capacity-phase requests: distinct from the measured ones
 WARMUP_INDEX = 2_000_000
@@ -49,6 +50,13 @@ class _Ctx:
     sampler: Sampler
     model: str | None
     extra: dict[str, Any]
+    mix: AdapterMix | None = None
+
+    @property
+    def request(self) -> SpecOf:
+        """The workload's requests, each naming its adapter under --adapters."""
+        spec_of = self.workload.request
+        return self.mix.wrap(spec_of) if self.mix else spec_of
 
     def shooter(self, progress: RunProgress | None = None) -> Shooter:
         return Shooter(self.http, model=self.model, extra=self.extra,
@@ -70,6 +78,17 @@ class _Ctx:
             yield
             nursery.cancel_scope.cancel()
         await self.sampler.end()
+
+
+async def adapters_of(http: httpx.AsyncClient, model: str | None, n: int) -> list[str]:
+    """The first n adapters (by name) GET /v1/models lists with `model` as parent."""
+    r = await http.get("/v1/models")
+    cards = r.json().get("data", []) if r.status_code == 200 else []
+    names = sorted(c["id"] for c in cards if c.get("parent") and c["parent"] == model)
+    if len(names) < n:
+        raise BenchError(f"--adapters {n}: the server lists {len(names)} adapters of "
+                         f"{model!r} ({', '.join(names) or 'none'})")
+    return names[:n]
 
 
 async def first_model(http: httpx.AsyncClient) -> str | None:
@@ -115,11 +134,16 @@ async def run_bench(cfg: BenchConfig) -> Result:
             extra["temperature"] = cfg.temperature
         if cfg.ignore_eos:
             extra["ignore_eos"] = True
-        ctx = _Ctx(cfg, workload, http, Sampler(side), model, extra)
+        mix = None
+        if cfg.adapters:
+            mix = AdapterMix(await adapters_of(side, model, cfg.adapters), cfg.adapter_dist,
+                             cfg.seed)
+        ctx = _Ctx(cfg, workload, http, Sampler(side), model, extra, mix)
         started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         if cfg.warmup_requests:
             with ctx.progress("warm-up", requests=cfg.warmup_requests) as p:
-                await closed_loop(ctx.shooter(p), workload.request, 1,
+                warm = mix.wrap(workload.request, round_robin=True) if mix else workload.request
+                await closed_loop(ctx.shooter(p), warm, 1,
                                   requests=cfg.warmup_requests, start_index=WARMUP_INDEX)
         phase = {"long-interference": _long_interference, "overload": _overload}.get(
             cfg.workload, _steady)
@@ -131,6 +155,10 @@ async def run_bench(cfg: BenchConfig) -> Result:
         "max_tokens": cfg.max_tokens, "ignore_eos": cfg.ignore_eos,
         **tail, "server": ctx.sampler.summary(),
     }
+    if mix is not None:
+        ok = Counter(mix.pick(r.index) for r in records if r.status == "ok" and r.index >= 0)
+        summary["adapters"] = {"n": len(mix.names), "distribution": mix.dist,
+                               "names": mix.names, "ok_by_adapter": dict(sorted(ok.items()))}
     return Result(summary, records)
 
 
@@ -143,12 +171,12 @@ async def _steady(ctx: _Ctx) -> Phase:
         shooter = ctx.shooter(p)
         async with ctx.measured(p):
             if cfg.rate:
-                await open_loop(shooter, ctx.workload.request, cfg.rate,
+                await open_loop(shooter, ctx.request, cfg.rate,
                                 requests=cfg.requests, duration_s=cfg.duration_s,
                                 start_index=cfg.start_index, seed=cfg.seed,
                                 max_inflight=cfg.max_inflight)
             else:
-                await closed_loop(shooter, ctx.workload.request, cfg.concurrency,
+                await closed_loop(shooter, ctx.request, cfg.concurrency,
                                   requests=cfg.requests, duration_s=cfg.duration_s,
                                   start_index=cfg.start_index, ramp_up_s=cfg.ramp_up_s)
         wall = shooter.now()
@@ -166,7 +194,7 @@ async def _long_interference(ctx: _Ctx) -> Phase:
         async with ctx.measured(p), trio.open_nursery() as nursery:
             # The shorts' own bound only matters if the long request hangs past its timeout.
             bound = cfg.warmup_s + cfg.timeout_s + cfg.tail_s
-            nursery.start_soon(partial(closed_loop, shooter, workload.request,
+            nursery.start_soon(partial(closed_loop, shooter, ctx.request,
                                        cfg.short_streams, duration_s=bound,
                                        start_index=cfg.start_index))
             await trio.sleep(cfg.warmup_s)
@@ -192,7 +220,7 @@ async def _overload(ctx: _Ctx) -> Phase:
         n = cfg.capacity_requests or 2 * conc
         with ctx.progress("capacity", requests=n) as p:
             probe = ctx.shooter(p)
-            await closed_loop(probe, ctx.workload.request, conc, requests=n,
+            await closed_loop(probe, ctx.request, conc, requests=n,
                               duration_s=cfg.capacity_duration_s,
                               start_index=cfg.start_index + CAPACITY_INDEX,
                               ramp_up_s=cfg.ramp_up_s)
@@ -210,7 +238,7 @@ async def _overload(ctx: _Ctx) -> Phase:
                       duration_s=cfg.duration_s) as p:
         shooter = ctx.shooter(p)
         async with ctx.measured(p):
-            await open_loop(shooter, ctx.workload.request, rate, requests=cfg.requests,
+            await open_loop(shooter, ctx.request, rate, requests=cfg.requests,
                             duration_s=cfg.duration_s, start_index=cfg.start_index,
                             seed=cfg.seed, max_inflight=cfg.max_inflight)
         wall = shooter.now()

@@ -16,9 +16,11 @@ reports the true prompt length, which is what the statistics use.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 
@@ -82,6 +84,7 @@ class RequestSpec:
     max_tokens: int
     prompt_tokens: int  # target, in the server's tokens by the calibration
     tag: str = "main"  # "short" and "long" in long-interference
+    model: str | None = None  # overrides the run's model (--adapters: an adapter's name)
 
     def body(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages]
@@ -225,3 +228,27 @@ async def calibrate(http: httpx.AsyncClient, model: str | None, seed: int = 0
         return None
     ratio = len(sample.split()) / count
     return ratio if 0.1 <= ratio <= 3.0 else None  # anything else is not a tokenizer
+
+
+class AdapterMix:
+    """`--adapters N`: each request asks for one of N adapters by name (`model`), picked
+    from the request's index and the seed, uniformly or Zipf-distributed (adapter k is
+    asked for in proportion to 1 / (k + 1): a few popular fine-tunes and a long tail)."""
+
+    def __init__(self, names: list[str], dist: str, seed: int) -> None:
+        self.names, self.dist, self.seed = names, dist, seed
+        n = len(names)
+        self.weights = [1.0 / (k + 1) for k in range(n)] if dist == "zipf" else [1.0] * n
+
+    def pick(self, index: int) -> str:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        return rng.choices(self.names, weights=self.weights)[0]
+
+    def wrap(self, spec_of: Callable[[int], RequestSpec], *, round_robin: bool = False
+             ) -> Callable[[int], RequestSpec]:
+        """Requests naming their adapter; `round_robin` (the warm-up) visits every
+        adapter in turn, so each one's copy of a shared prefix is cached before measuring."""
+        if round_robin:
+            return lambda i: dataclasses.replace(
+                spec_of(i), model=self.names[i % len(self.names)])
+        return lambda i: dataclasses.replace(spec_of(i), model=self.pick(i))

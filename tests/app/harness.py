@@ -16,6 +16,8 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 from typing import AsyncIterator, Sequence
 
 import httpx
@@ -26,7 +28,8 @@ from app.pools import Pool
 from app.server import run_server
 from app.state import Phase, ServerState
 from app.tenants import Tenants
-from config.settings import PoolConfig, SchedulerConfig, ServerConfig, Settings, TenantConfig
+from config.settings import (BatchConfig, PoolConfig, SchedulerConfig, ServerConfig, Settings,
+                             TenantConfig)
 from scheduler.engine import Engine
 from tests.scheduler.fake_runner import FakeDetokenizer, FakeRunner, succ_rule
 
@@ -60,14 +63,27 @@ def sha(key: str) -> str:
 
 def settings(*, max_waiting: int = 64, max_running: int = 16, max_streams: int = 512,
              tenants: Sequence[TenantConfig] = (), replicas: int = 1, drain_grace_s: float = 5.0,
-             **extra) -> Settings:
+             pool: dict | None = None, admin_key: str | None = None,
+             data_dir: str | None = None, **extra) -> Settings:
     sched = SchedulerConfig(max_waiting=max_waiting, max_running=max_running,
                             max_step_tokens=128, kv_reserve_pages=2)
-    pool = PoolConfig(name="test", model="fake", served_model_names=[MODEL, "fake-alias"],
-                      replicas=replicas, scheduler=sched)
+    pool_cfg = PoolConfig(name="test", model="fake", served_model_names=[MODEL, "fake-alias"],
+                      replicas=replicas, scheduler=sched, **(pool or {}))
     server = ServerConfig(host="127.0.0.1", port=0, max_body_bytes=64 * 1024,
-                          max_streams=max_streams, drain_grace_s=drain_grace_s)
-    return Settings(server=server, pools=[pool], tenants=list(tenants), **extra)
+                          max_streams=max_streams, drain_grace_s=drain_grace_s,
+                          admin_api_key_sha256=sha(admin_key) if admin_key else None)
+    # Batch jobs only for the tests that give the store a directory of their own.
+    batches = BatchConfig(enabled=data_dir is not None, data_dir=data_dir)
+    return Settings(server=server, pools=[pool_cfg], tenants=list(tenants), batches=batches,
+                    **extra)
+
+
+def read_fake_adapter(name: str, path: str):
+    """The fake runner's adapters: any existing directory; the name sets the offset it
+    adds to every token (tests/scheduler/fake_runner.py `adapter_offset`)."""
+    if not Path(path).is_dir():
+        raise ValueError(f"{path}: no such adapter directory")
+    return SimpleNamespace(name=name, path=path, rank=8, targets=("q_proj", "v_proj"))
 
 
 def fake_pool(cfg: PoolConfig, *, step_delay_s: float = 0.0, num_pages: int = 600,
@@ -76,11 +92,16 @@ def fake_pool(cfg: PoolConfig, *, step_delay_s: float = 0.0, num_pages: int = 60
     engines = []
     for i in range(cfg.replicas):
         runner = FakeRunner(page_size=4, num_pages=num_pages, max_context=max_context,
-                            vocab=VOCAB, eos=[EOS], rule=succ_rule(VOCAB))
+                            vocab=VOCAB, eos=[EOS], rule=succ_rule(VOCAB),
+                            adapter_slots=cfg.max_loras)
         if step_delay_s:  # runs in the engine's worker thread, like a real step
             runner.on_step = lambda plan: time.sleep(step_delay_s)
         engines.append(Engine(runner, tok, cfg.scheduler, name=f"{cfg.name}/{i}"))
-    return Pool(cfg, tok, engines, max_context=max_context, vocab_size=VOCAB)
+    pool = Pool(cfg, tok, engines, max_context=max_context, vocab_size=VOCAB,
+                adapter_reader=read_fake_adapter if cfg.max_loras else None)
+    for a in cfg.adapters:
+        pool.adapters.load_blocking(a.name, a.path)
+    return pool
 
 
 @dataclass

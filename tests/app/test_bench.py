@@ -303,6 +303,30 @@ async def test_against_sluice_itself():
     assert s["server"]["prefix_cache_query_tokens"] > 0
 
 
+async def test_adapters_spread_requests_over_the_servers_adapters(tmp_path: Path):
+    """--adapters N: every request names one of the first N adapters /v1/models lists
+    for the model (Zipf: the first is the most asked for); Sluice counts them per adapter."""
+    from config.settings import AdapterConfig
+    from tests.app.harness import serve as serve_sluice
+    from tests.app.harness import settings
+
+    names = ["a", "b", "c"]
+    for n in names:
+        (tmp_path / n).mkdir()
+    adapters = [AdapterConfig(n, str(tmp_path / n)) for n in names]
+    async with serve_sluice(settings(pool={"max_loras": 2, "adapters": adapters})) as srv:
+        cfg = BenchConfig(url=srv.url, concurrency=4, requests=24, max_tokens=4,
+                          system_tokens=100, progress=False, adapters=2, adapter_dist="zipf")
+        s = (await run_bench(cfg)).summary
+        stats = srv.pool.stats()[0].adapters
+        with pytest.raises(Exception, match="lists 3 adapters"):
+            await run_bench(BenchConfig(url=srv.url, requests=1, adapters=4, progress=False))
+    assert s["requests"]["ok"] == 24, s["errors"]
+    by = s["adapters"]["ok_by_adapter"]
+    assert set(by) == {"a", "b"} and sum(by.values()) == 24 and by["a"] > by["b"]
+    assert stats["requests"] == by
+
+
 async def test_closed_loop_ramp_up_staggers_stream_starts(autojump_clock):
     """--ramp-up: stream k starts k * ramp / concurrency seconds in (steady-state TTFT)."""
     import trio

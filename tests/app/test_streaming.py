@@ -17,6 +17,7 @@ from tests.app.harness import FakeTokenizer
 
 class StubPool:
     name = "p"
+    model_name = "m"
     tokenizer = FakeTokenizer()
 
     def __init__(self) -> None:

@@ -11,6 +11,11 @@ computable by hand, and sensitive to every token and its position.
 It also checks the `StepPlan` invariants the real runner relies on (page ids in range,
 page tables covering the chunk, limits, no chunk writing a page another chunk reads) and
 records every plan as plain tuples (page tables are live lists in the engine).
+
+LoRA adapters: the fake holds `adapter_slots` slots, filled by the plan's
+`adapter_loads`; a chunk's tokens run under the adapter its slot holds *now*, which adds
+`adapter_offset(name)` to the rule's token. A sequence whose slot was given to another
+adapter, or never loaded, thus produces other tokens than `reference(..., adapter=...)`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ def succ_rule(vocab: int) -> Callable[[Sequence[int]], int]:
     return rule
 
 
+def adapter_offset(name: str | None) -> int:
+    return 0 if name is None else 1 + sum(map(ord, name)) % 97
+
+
 @dataclass(frozen=True)
 class ChunkRecord:
     seq_id: int
@@ -42,12 +51,14 @@ class ChunkRecord:
     page_table: tuple[int, ...]
     sample: bool
     num_generated: int
+    adapter_slot: int = -1
 
 
 @dataclass(frozen=True)
 class PlanRecord:
     chunks: tuple[ChunkRecord, ...]
     copies: tuple[tuple[int, int], ...]
+    adapter_loads: tuple[tuple[int, str], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +81,7 @@ class FakeRunner:
         limits: StepLimits = StepLimits(max_decode_seqs=16, max_prefill_seqs=4,
                                         max_prefill_chunk=64, max_prefill_tokens=128),
         rule: Callable[[Sequence[int]], int] | None = None,
+        adapter_slots: int = 0,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
@@ -82,17 +94,34 @@ class FakeRunner:
         self.plans: list[PlanRecord] = []
         self.fail_next = 0  # raise in the next N steps
         self.on_step: Callable[[StepPlan], None] | None = None  # runs in the worker thread
+        self.adapter_slots = adapter_slots
+        self.slots: list[str | None] = [None] * adapter_slots  # what each slot holds
+        self.dropped: list[str] = []  # adapters the engine said nothing needs any more
+        self.registered: set[str] | None = None  # None: any name loads (scheduler tests)
+
+    def add_adapter(self, adapter) -> None:
+        """Register an adapter (anything with `.name`); once any is, loading an unknown
+        one into a slot fails the step, as the real runner's does."""
+        if self.registered is None:
+            self.registered = set()
+        self.registered.add(adapter.name)
+
+    def drop_adapter(self, name: str) -> None:
+        self.dropped.append(name)
+        if self.registered is not None:
+            self.registered.discard(name)
 
     @property
     def limits(self) -> StepLimits:
         return self._limits
 
-    def reference(self, prompt: Sequence[int], n: int) -> list[int]:
+    def reference(self, prompt: Sequence[int], n: int, adapter: str | None = None
+                  ) -> list[int]:
         """What an unbatched, unpaged run generates: n tokens after `prompt`."""
         ctx = list(prompt)
         out = []
         for _ in range(n):
-            t = self.rule(ctx)
+            t = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
             out.append(t)
             ctx.append(t)
         return out
@@ -100,9 +129,10 @@ class FakeRunner:
     def step(self, plan: StepPlan) -> StepResult:
         rec = PlanRecord(
             chunks=tuple(ChunkRecord(c.seq_id, c.start_pos, tuple(c.token_ids),
-                                     tuple(c.page_table), c.sample, c.num_generated)
+                                     tuple(c.page_table), c.sample, c.num_generated,
+                                     c.adapter_slot)
                          for c in plan.chunks),
-            copies=tuple(plan.copies))
+            copies=tuple(plan.copies), adapter_loads=tuple(plan.adapter_loads))
         self.plans.append(rec)
         if self.on_step is not None:
             self.on_step(plan)
@@ -113,6 +143,11 @@ class FakeRunner:
         ps = self.page_size
         for src, dst in rec.copies:
             self.pool[dst] = list(self.pool[src])
+        for slot, name in rec.adapter_loads:
+            assert 0 <= slot < self.adapter_slots, (slot, self.adapter_slots)
+            if self.registered is not None and name not in self.registered:
+                raise KeyError(f"adapter {name!r} is not loaded")
+            self.slots[slot] = name
         sampled = {}
         for c in rec.chunks:
             for i, t in enumerate(c.token_ids):
@@ -122,7 +157,12 @@ class FakeRunner:
                 end = c.start_pos + len(c.token_ids)
                 ctx = [self.pool[c.page_table[p // ps]][p % ps] for p in range(end)]
                 assert None not in ctx, f"seq {c.seq_id} reads a slot never written"
-                sampled[c.seq_id] = SampledToken(token_id=self.rule(ctx), logprob=-1.0)
+                adapter = None
+                if c.adapter_slot >= 0:
+                    adapter = self.slots[c.adapter_slot]
+                    assert adapter is not None, f"seq {c.seq_id}: slot {c.adapter_slot} empty"
+                token = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
+                sampled[c.seq_id] = SampledToken(token_id=token, logprob=-1.0)
         real = rec.num_tokens
         return StepResult(sampled=sampled, real_tokens=real,
                           padded_tokens=-(-real // 8) * 8)

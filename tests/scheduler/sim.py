@@ -30,7 +30,8 @@ class Sim:
         self.runner = runner
         self.clock = FakeClock()
         self.sched = Scheduler(config, num_pages=runner.num_pages, page_size=runner.page_size,
-                               limits=runner.limits, clock=self.clock)
+                               limits=runner.limits, clock=self.clock,
+                               adapter_slots=runner.adapter_slots)
         self.seqs: dict[int, Sequence] = {}  # every sequence ever submitted (unique ids)
         self.batches: list[Batch] = []
         self.finished: list[Sequence] = []
@@ -53,7 +54,8 @@ class Sim:
         result = self.runner.step(batch.plan)
         for seq, tok in self.sched.commit(batch, result):
             if seq.num_generated >= seq.max_tokens or tok.token_id in self.runner.eos_token_ids:
-                self.sched.finish(seq)
+                if (unused := self.sched.finish(seq)) is not None:
+                    self.runner.drop_adapter(unused)
                 self.finished.append(seq)
         self.clock.advance(0.01)
         self.check()

@@ -24,6 +24,9 @@ class FakeQueries:
     num_running: int = 0
     num_waiting: int = 0
     waiting_tokens: int = 0
+    batch_running: int = 0
+    batch_waiting: int = 0
+    batch_waiting_tokens: int = 0
     prefill_token_s: float | None = None
     prefix_hit_rate: float = 0.0
     decode_step_s: float = 0.0  # a decode-only step's time, whatever its size

@@ -1,6 +1,7 @@
 """Random workloads against the whole policy with a tiny page pool (so preemption, prefix
-hits and copy-on-write all happen): the books always balance, every finished sequence
-generated exactly what an unbatched run generates, and nothing leaks at the end."""
+hits and copy-on-write all happen) and two LoRA adapter slots for three adapters (so
+swaps happen): the books always balance, every finished sequence generated exactly what
+an unbatched run under its adapter generates, and nothing leaks at the end."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ SYSTEM = [5, 6, 7, 8, 9, 10, 11, 12]  # two pages of 4: a shared prefix
 class PolicyMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        runner = FakeRunner(page_size=4, num_pages=17, vocab=50,
+        runner = FakeRunner(page_size=4, num_pages=17, vocab=50, adapter_slots=2,
                             limits=StepLimits(max_decode_seqs=6, max_prefill_seqs=2,
                                               max_prefill_chunk=6, max_prefill_tokens=8))
         self.sim = Sim(runner, SchedulerConfig(max_step_tokens=10, max_running=6,
@@ -29,11 +30,13 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(shared=st.booleans(), tail=st.lists(st.integers(0, 1), max_size=8),
           max_tokens=st.integers(1, 30), priority=st.integers(0, 2),
-          tenant=st.sampled_from(["a", "b"]))
-    def submit(self, shared, tail, max_tokens, priority, tenant):
+          tenant=st.sampled_from(["a", "b"]),
+          adapter=st.sampled_from([None, None, "x", "y", "z"]))
+    def submit(self, shared, tail, max_tokens, priority, tenant, adapter):
         prompt = (SYSTEM if shared else []) + tail or [1]
+        salt = ("" if shared else tenant) + (f"|{adapter}" if adapter else "")
         self.sim.submit(prompt, max_tokens=max_tokens, priority=priority, tenant=tenant,
-                        cache_salt="" if shared else tenant)
+                        cache_salt=salt, adapter=adapter)
 
     @precondition(lambda self: self.sim.seqs)
     @rule(data=st.data(), max_tokens=st.integers(1, 10))
@@ -44,7 +47,7 @@ class PolicyMachine(RuleBasedStateMachine):
         n = len(old.token_ids)
         tokens = old.token_ids[:n - n % 4] or old.token_ids
         self.sim.submit(tokens, max_tokens=max_tokens, tenant=old.tenant,
-                        cache_salt=old.cache_salt)
+                        cache_salt=old.cache_salt, adapter=old.adapter)
 
     @rule(n=st.integers(1, 6))
     def step(self, n):
@@ -63,12 +66,17 @@ class PolicyMachine(RuleBasedStateMachine):
         self.sim.check()
         sched = self.sim.sched
         assert len(sched.running) <= sched.max_running
+        slots = sched.adapters
+        for name in {"x", "y", "z"}:  # a slot pinned exactly by its running sequences
+            users = [s for s in sched.running.values() if s.adapter == name]
+            assert slots.users[name] == len(users)
+            assert all(slots.holder[s.adapter_slot] == name for s in users)
 
     @invariant()
     def finished_ones_match_the_reference(self):
         ref = self.sim.runner.reference
         for s in self.sim.finished:
-            assert s.output_ids == ref(s.prompt_ids, len(s.output_ids))
+            assert s.output_ids == ref(s.prompt_ids, len(s.output_ids), s.adapter)
 
     def teardown(self):
         self.sim.run()
@@ -77,7 +85,9 @@ class PolicyMachine(RuleBasedStateMachine):
         assert sched.pages.num_in_use == 0
         for s in self.sim.seqs.values():
             assert s.phase is Phase.DONE and s.kv_pages == []
-            assert s.output_ids == self.sim.runner.reference(s.prompt_ids, len(s.output_ids))
+            assert s.output_ids == self.sim.runner.reference(s.prompt_ids, len(s.output_ids),
+                                                             s.adapter)
+        assert not any(sched.adapters.users.values()) and not sched.adapters.live
 
 
 PolicyMachine.TestCase.settings = settings(

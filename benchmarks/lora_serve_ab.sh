@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Serving with LoRA adapters beside serving the base model, one server, side by side:
+# 4 random adapters of rank 16 on all seven projections (benchmarks/make_adapters.py),
+# declared in a pool with max_loras = 4 and a 1 GiB KV pool (otherwise the default
+# preset: each adapter keeps its own copy of the shared system prompt); once every shape
+# is compiled, shared-prefix at concurrency 16 alternates: base, --adapters 4, base,
+# --adapters 4 (alternating because this machine's speed drifts over minutes).
+#   benchmarks/lora_serve_ab.sh OUT_DIR [PORT]
+set -eu
+cd "$(dirname "$0")/.."
+OUT=${1:?OUT_DIR}; PORT=${2:-18900}
+mkdir -p "$OUT"
+.venv/bin/python benchmarks/make_adapters.py --n 4 --rank 16 --out "$OUT/adapters" \
+  | sed '1i [[pools]]\nkv_cache_bytes = 1073741824' > "$OUT/lora.toml"
+.venv/bin/sluice serve --config "$OUT/lora.toml" --port "$PORT" > "$OUT/serve.log" 2>&1 &
+PID=$!
+trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
+until curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"warmup_remaining_shapes":0'; do
+  sleep 2
+done
+BENCH=".venv/bin/sluice bench --url http://127.0.0.1:$PORT --workload shared-prefix \
+  --concurrency 16 --ramp-up 20 --warmup-requests 4 --requests 48 --no-progress"
+for round in 1 2; do
+  $BENCH --label "base-$round" --out "$OUT/base-$round" | tail -1 > "$OUT/base-$round.json"
+  $BENCH --label "adapters-$round" --adapters 4 --out "$OUT/adapters-$round" \
+    | tail -1 > "$OUT/adapters-$round.json"
+done
+grep VmHWM /proc/$PID/status > "$OUT/rss.txt"; grep VmRSS /proc/$PID/status >> "$OUT/rss.txt"
+curl -s "http://127.0.0.1:$PORT/metrics" | grep '^sluice:lora' > "$OUT/lora_metrics.txt"
