@@ -73,11 +73,15 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
                   for p in state.router.pools for a in p.adapters.by_name.values()]
         return json_response(ModelList(cards))
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter() -> Response:
+    async def admin_request(type: type[T]) -> T:
+        """An adapter endpoint's body, for the admin key only, once serving."""
         check_admin(server, state.tenants, request.headers.get("Authorization"))
         check_phase(state)
-        req = decode_body(await request.get_data(cache=False), LoadLoraAdapterRequest)
+        return decode_body(await request.get_data(cache=False), type)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter() -> Response:
+        req = await admin_request(LoadLoraAdapterRequest)
         assert state.router is not None
         pool, a = await load_adapter(state.router, req.lora_name, req.lora_path,
                                      req.base_model)
@@ -86,9 +90,7 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter() -> Response:
-        check_admin(server, state.tenants, request.headers.get("Authorization"))
-        check_phase(state)
-        req = decode_body(await request.get_data(cache=False), UnloadLoraAdapterRequest)
+        req = await admin_request(UnloadLoraAdapterRequest)
         assert state.router is not None
         unload_adapter(state.router, req.lora_name)
         return json_response({"id": req.lora_name, "object": "lora_adapter", "deleted": True})

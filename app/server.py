@@ -45,9 +45,8 @@ def create_app(state: ServerState) -> QuartTrio:
     app = QuartTrio("sluice")
     app.config["RESPONSE_TIMEOUT"] = None  # Quart's 60 s default silently cuts long streams
     app.config["MAX_CONTENT_LENGTH"] = state.settings.server.max_body_bytes
-    # Batch files may be bigger than any request body (each path's own limit).
-    limits = {"/v1/files": max(state.settings.batches.max_file_bytes,
-                               state.settings.server.max_body_bytes)}
+    # Batch files have their own limit (bigger than any request body, by default).
+    limits = {"/v1/files": state.settings.batches.max_file_bytes}
 
     class Request(app.request_class):  # type: ignore[name-defined, misc]
         def __init__(self, method, scheme, path, *args, max_content_length=None, **kw):

@@ -1,7 +1,7 @@
 """Interactive traffic beside a batch backlog, one server, side by side in one session.
 
 Against a running Sluice (URL): `sluice bench --workload shared-prefix --concurrency 8`
-alone; then a batch of N requests is submitted (platform form) and the same bench runs
+(`--concurrency`) alone; then a batch of N requests is submitted (platform form) and the same bench runs
 again while the backlog is queued. /metrics is sampled every second throughout, for the
 plot of interactive vs batch tokens over time. Prints one JSON line (both runs' TTFT and
 ITL p50/p95, useful-busy, batch progress) and writes batch_interference.png under OUT.
@@ -33,9 +33,10 @@ def scrape(http: httpx.Client) -> dict[str, float]:
     return out
 
 
-def bench(url: str, out: Path, label: str, requests: int) -> dict:
+def bench(url: str, out: Path, label: str, requests: int, concurrency: int) -> dict:
     cmd = [sys.executable, "-m", "app.cli", "bench", "--url", url, "--workload",
-           "shared-prefix", "--concurrency", "8", "--ramp-up", "10", "--warmup-requests",
+           "shared-prefix", "--concurrency", str(concurrency), "--ramp-up", "10",
+           "--warmup-requests",
            "2", "--requests", str(requests), "--no-progress", "--label", label,
            "--out", str(out / label)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     http = httpx.Client(base_url=args.url, timeout=60)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     thread = threading.Thread(target=sampler, daemon=True)
     thread.start()
-    alone = bench(args.url, args.out, "alone", args.requests)
+    alone = bench(args.url, args.out, "alone", args.requests, args.concurrency)
     t_alone = time.time() - t0
     words = "Summarise the quarterly report for the operations team in three bullet points."
     r = http.post("/v1/batches", json={"completeWithin": "24h", "requests": [
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     bid = r.json()["id"]
     t_batch = time.time() - t0
     time.sleep(5)  # the backlog is queued and running in idle capacity
-    beside = bench(args.url, args.out, "with-batch", args.requests)
+    beside = bench(args.url, args.out, "with-batch", args.requests, args.concurrency)
     t_end = time.time() - t0
     time.sleep(5)
     stop = True
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                    ("ttft_p95", "itl_p95", "out_tok_s")},
         "phases_s": {"alone_end": t_alone, "batch_submitted": t_batch, "with_end": t_end}}
     (args.out / "samples.json").write_text(json.dumps(samples))
+    (args.out / "result.json").write_text(json.dumps(result))
     _plot(samples, result["phases_s"], args.out / "batch_interference.png")
     print(json.dumps(result))
     return 0
@@ -109,8 +112,12 @@ def _plot(samples, phases, path: Path) -> None:
     t = [s[0] for s in samples]
     gen = [s[1].get(METRICS[0], 0.0) for s in samples]
     bat = [s[1].get(METRICS[1], 0.0) for s in samples]
-    rate = lambda xs: [0.0] + [(b - a) / max(t[i + 1] - t[i], 1e-9)  # noqa: E731
-                               for i, (a, b) in enumerate(zip(xs, xs[1:]))]
+    w = 10  # samples per window: batch tokens are counted when a request ends
+
+    def rate(xs):
+        return [max(0.0, (xs[i] - xs[max(0, i - w)]) / max(t[i] - t[max(0, i - w)], 1e-9))
+                for i in range(len(xs))]
+
     inter = [g - b for g, b in zip(gen, bat)]
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(t, rate(inter), label="interactive tokens/s")
@@ -119,8 +126,8 @@ def _plot(samples, phases, path: Path) -> None:
         ax.axvline(x, color="grey", lw=0.8, ls="--")
         ax.text(x, ax.get_ylim()[1] * 0.95, name, fontsize=7, rotation=90, va="top")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title("shared-prefix c8 alone, then beside a batch backlog")
+    ax.set_ylabel("generated tokens/s (10 s windows)")
+    ax.set_title("shared-prefix alone, then beside a batch backlog")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

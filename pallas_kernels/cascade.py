@@ -5,11 +5,13 @@ up to the longest context of a group of rows (traced bounds, so one compiled ste
 every context length), with an online softmax across blocks. The cost follows the real
 context, not the model's maximum.
 
-Cascade ("shared prefix"): when every row's table starts with the same pages (the system
-prompt every request carries; a long prompt's earlier chunks for its blocks) and every
-query sits after them, that prefix is read once for all rows, one dense matmul per block,
-and the partial softmaxes are merged with each row's walk over its own pages. The result
-is the same attention; the keys are read once instead of once per row.
+Cascade ("shared prefix"): when rows' tables start with the same pages (the system
+prompt every request carries; a long prompt's earlier chunks for its blocks) and their
+queries sit after them, that prefix is read once for those rows, one dense matmul per
+block, and the partial softmaxes are merged with each row's walk over its own pages. The
+result is the same attention; the keys are read once instead of once per row. Rows that
+do not share it (`shared_rows` 0: a batch job's or an adapter's request beside the
+interactive ones) walk their whole table themselves, and the others keep the cascade.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def cascade_attention(
     query_lens,  # [rows] int32: real queries; query i sits at context_len - query_len + i
     shared_pages,  # [pages_per_seq] int32: a table prefix every row has (cascade)
     shared_len,  # [] int32: its length in tokens (a page multiple; 0: no cascade)
+    shared_rows=None,  # [rows] int32: 1 for the rows that have it (None: every row)
     copy=None,  # optional (kt [L, kv_heads, head_dim, n], v [L, kv_heads, n, head_dim]):
     #   keys (transposed) and values of a shared prefix, contiguous, per layer
     layer=None,  # [] int32: which layer of `copy` this is
@@ -68,6 +71,8 @@ def cascade_attention(
     qg = (q.astype(f32) * d ** -0.5).reshape(s, nq, kvh, g, d)
     q_pos = context_lens[:, None] - query_lens[:, None] + jnp.arange(nq)[None, :]  # [s, nq]
     q_valid = jnp.arange(nq)[None, :] < query_lens[:, None]  # [s, nq]
+    member = (jnp.ones(s, bool) if shared_rows is None else shared_rows > 0)  # [s]
+    start_tok = jnp.where(member, shared_len, 0)  # [s]: where each row's own walk begins
 
     spb = min(shared_pages_per_block, page_tables.shape[1])
     sblk = spb * ps
@@ -78,7 +83,8 @@ def cascade_attention(
 
     # -- the shared prefix: every query of every row against the same keys ----------------
     q_all = qg.transpose(2, 3, 0, 1, 4).reshape(kvh, g * s * nq, d)
-    all_valid = jnp.broadcast_to(q_valid[None], (g, s, nq)).reshape(g * s * nq)
+    all_valid = jnp.broadcast_to((q_valid & member[:, None])[None],
+                                 (g, s, nq)).reshape(g * s * nq)
 
     def copy_keys(at, size):
         kt = lax.dynamic_slice(copy[0], (layer, 0, 0, at), (1, kvh, d, size))[0]
@@ -119,24 +125,30 @@ def cascade_attention(
     l1 = l1.reshape(kvh, g, s, nq).transpose(2, 0, 1, 3)
     acc1 = acc1.reshape(kvh, g, s, nq, d).transpose(2, 0, 1, 3, 4)
 
-    # -- each row's own pages, from the end of the shared prefix, in groups of rows ----------
-    first_page = shared_len // ps
-
+    # -- each row's own pages, from the end of its shared prefix, in groups of rows --------
     def own_rows(a, b, carry):
         n = b - a
         tab, qg_r, pos_r, valid_r = tables[a:b], qg[a:b], q_pos[a:b], q_valid[a:b]
+        start_r = start_tok[a:b]
+        uniform = shared_rows is None  # every row starts at the same page: one slice
 
         def own_block(j, carry):  # m, l: [n, kvh, g, nq]; acc: [n, kvh, g, nq, d]
-            pages = lax.dynamic_slice_in_dim(tab, first_page + j * pages_per_block,
-                                             pages_per_block, 1) + page_offset
+            if uniform:
+                pages = lax.dynamic_slice_in_dim(tab, shared_len // ps + j * pages_per_block,
+                                                 pages_per_block, 1)
+            else:  # rows past the end of their table read its last entry, masked
+                idx = (start_r[:, None] // ps + j * pages_per_block
+                       + jnp.arange(pages_per_block)[None, :])
+                pages = jnp.take_along_axis(tab, jnp.minimum(idx, tab.shape[1] - 1), axis=1)
+            pages = pages + page_offset
             k = k_pool[pages].reshape(n, blk, kvh, d).astype(f32)
             v = v_pool[pages].reshape(n, blk, kvh, d).astype(f32)
             scores = jnp.einsum("sqkgd,stkd->skgqt", qg_r, k)  # [n, kvh, g, nq, blk]
-            k_pos = shared_len + j * blk + jnp.arange(blk)
-            mask = (k_pos[None, None, :] <= pos_r[:, :, None]) & valid_r[:, :, None]
+            k_pos = start_r[:, None] + j * blk + jnp.arange(blk)[None, :]  # [n, blk]
+            mask = (k_pos[:, None, :] <= pos_r[:, :, None]) & valid_r[:, :, None]
             return _online_update(*carry, scores, mask[:, None, None], v, "skgqt,stkd->skgqd")
 
-        blocks = (jnp.max(context_lens[a:b]) - shared_len + blk - 1) // blk
+        blocks = (jnp.max(context_lens[a:b] - start_r) + blk - 1) // blk
         return lax.fori_loop(0, blocks, own_block, carry)
 
     bounds = [0]

@@ -3,8 +3,9 @@
 Everything here exists because of how XLA:CPU spends its time, and none of it leaks into
 the model or the runner (docs/architecture.md, "Attention backends"):
 
-- cascade metadata: the page-table prefix every row of a group shares, found on the host
-  each step, so that the system prompt is read once per step, not once per row;
+- cascade metadata: the page-table prefix most rows of a group share (the rows whose
+  tables start like most do; the others walk their own tables), found on the host each
+  step, so that the system prompt is read once per step, not once per row;
 - the prefix copy (`PrefixCopy`): that prefix's keys and values kept gathered in a
   contiguous per-layer array, refilled only when the shared prefix changes (gathering its
   pages every step cost as much as the attention matmuls over them);
@@ -29,9 +30,11 @@ class CascadeMeta(NamedTuple):
     page_tables: np.ndarray  # [rows, width] int32, width a multiple of the block sizes
     context_lens: np.ndarray  # [rows] int32
     query_lens: np.ndarray  # [rows] int32
-    shared_pages: np.ndarray  # [width] int32: the table prefix every real row has
+    shared_pages: np.ndarray  # [width] int32: the table prefix the sharing rows have
     shared_len: np.ndarray  # [] int32: its tokens (0: none)
     buffered_len: np.ndarray  # [] int32: how much of it the prefix copy holds
+    shared_rows: np.ndarray  # [rows] int32: 1 for the rows that share it
+    order: np.ndarray  # [rows] int32: row i of the tables above is the group's row order[i]
 
 
 class CpuBackend(AttentionBackend):
@@ -63,15 +66,40 @@ class CpuBackend(AttentionBackend):
 
     # -- host side --------------------------------------------------------------------------
     def metadata(self, group: GroupLayout, buffered: int = 0) -> CascadeMeta:
+        """The cascade's plan for one group. In a decode group, the rows that share the
+        prefix most tables start with go first and take the cascade; the others (another
+        prefix: a batch job's, another adapter's) walk their own tables after them, when
+        that walks fewer keys than no cascade would (row groups walk as far as their
+        longest row). Otherwise only a prefix every row has is shared."""
         rows, width = group.page_tables.shape
         tables = np.zeros((rows, self.width), np.int32)
         tables[:, :width] = group.page_tables
-        real = group.query_lens > 0
-        first_pos = group.context_lens[real] - group.query_lens[real]
-        shared, shared_len = shared_prefix(tables[real], first_pos, self.pool.page_size,
+        ctx, ql = group.context_lens, group.query_lens
+        real = ql > 0
+        order = np.arange(rows, dtype=np.int32)
+        members = real
+        if real.any() and (ql[real] == 1).all():
+            some = sharing_rows(tables, ctx, ql, self.pool.page_size)
+            if some.sum() < real.sum():
+                first = np.argsort(~some, kind="stable").astype(np.int32)
+                _, shared_len = shared_prefix(tables[some], ctx[some] - 1,
+                                              self.pool.page_size, self.width)
+                start = np.where(some, shared_len, 0)[first]
+                if self._walk(ctx[first] - start) < self._walk(ctx):
+                    order, members = first, some
+        tables, ctx, ql, members = tables[order], ctx[order], ql[order], members[order]
+        first_pos = ctx[members] - ql[members]
+        shared, shared_len = shared_prefix(tables[members], first_pos, self.pool.page_size,
                                            self.width)
-        return CascadeMeta(tables, group.context_lens, group.query_lens, shared,
-                           np.int32(shared_len), np.int32(min(buffered, shared_len)))
+        return CascadeMeta(tables, ctx, ql, shared, np.int32(shared_len),
+                           np.int32(min(buffered, shared_len)), members.astype(np.int32),
+                           order)
+
+    def _walk(self, lengths: np.ndarray) -> int:
+        """Keys the decode row groups walk for rows of these own lengths, in order."""
+        n = self.decode_rows_per_group
+        return sum(int(lengths[i:i + n].max()) * len(lengths[i:i + n])
+                   for i in range(0, len(lengths), n))
 
     def prepare(self, kv, groups, slots, copies):
         dec, pf = self.metadata(groups[0]), self.metadata(groups[1])
@@ -91,16 +119,18 @@ class CpuBackend(AttentionBackend):
     # -- inside the compiled step ----------------------------------------------------------
     def attend(self, q, k_pool, v_pool, layer, meta: CascadeMeta, state):
         rows, queries = q.shape[:2]
+        q = q[meta.order]  # the plan's row order (sharing rows first), undone at the end
         if queries == 1:
             groups = (self.decode_rows_per_group,) * -(-rows // self.decode_rows_per_group)
         else:
             groups = halving_groups(rows) if self.group_prefill_blocks else ()
-        return cascade_attention(
+        out = cascade_attention(
             q, k_pool, v_pool, self.page_offset(layer), meta.page_tables, meta.context_lens,
-            meta.query_lens, meta.shared_pages, meta.shared_len, state,
+            meta.query_lens, meta.shared_pages, meta.shared_len, meta.shared_rows, state,
             None if state is None else layer, None if state is None else meta.buffered_len,
             pages_per_block=self.pages_per_block,
             shared_pages_per_block=self.shared_pages_per_block, row_groups=groups)
+        return jnp.zeros_like(out).at[meta.order].set(out)
 
 
 class PrefixCopy:
@@ -150,6 +180,21 @@ class PrefixCopy:
             self.fill(kv, best)
             self.fills += 1
         return self.pages
+
+
+def sharing_rows(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                 page_size: int) -> np.ndarray:
+    """[rows] bool: the real rows whose tables start with the page most of them start
+    with (among those with a whole page before their first query): the rows a cascade
+    serves. Rows of other prefixes (another adapter's, a batch job's) walk their own."""
+    real = query_lens > 0
+    whole = real & (context_lens - query_lens >= page_size)
+    if whole.sum() < 2:
+        return real
+    first, counts = np.unique(tables[whole, 0], return_counts=True)
+    if counts.max() < 2:
+        return real
+    return real & (tables[:, 0] == first[np.argmax(counts)])
 
 
 def shared_prefix(tables: np.ndarray, first_pos: np.ndarray, page_size: int, width: int):

@@ -22,13 +22,16 @@
    is being computed right now by a running prefill waits for it instead (then it hits
    the prefix cache), and the sequences behind it go ahead. A sequence with a LoRA
    adapter also needs an adapter slot (`adapters.py`); without one it waits, base-model
-   sequences go ahead, and no other adapter sequence takes a slot past it.
+   sequences go ahead, and no other adapter sequence takes a slot past it. Batch jobs'
+   sequences (the last class) take only what `background.py` grants beside interactive
+   work, and give up their slots and pages when an interactive request waits for them.
 
 Static mode gathers up to `static_batch_size` sequences when nothing runs, and admits no
 one else until they have all finished: the baseline continuous batching is compared to.
 
 Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
-to ~390 lines: the whole per-iteration policy, read in one place.)
+to ~460 lines: the whole per-iteration policy, read in one place; the arithmetic of the
+batch share and of adapter residency lives in background.py and adapters.py.)
 """
 
 from __future__ import annotations

@@ -35,3 +35,19 @@ def embedded_model(embedded_gguf):
     from model.loaders.gguf import load_gguf
 
     return load_gguf(embedded_gguf, progress=False)
+
+
+@pytest.fixture
+def compilations():
+    """A list that collects every JAX compile event while the test runs."""
+    import jax
+
+    events: list[str] = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.clear_event_listeners()

@@ -19,6 +19,7 @@ import uuid
 import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..errors import APIError, bad_request, not_found, rate_limited
 from ..state import ServerState
@@ -83,7 +84,12 @@ def register_batch_routes(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v1/files")
     async def upload_file() -> Response:
         tenant = who()
-        form, files = await request.form, await request.files
+        try:
+            form, files = await request.form, await request.files
+        except RequestEntityTooLarge:
+            raise APIError(413, f"The file is larger than this server's limit of "
+                           f"{cfg.max_file_bytes} bytes ([batches] max_file_bytes).",
+                           param="file", code="file_too_large") from None
         purpose = form.get("purpose")
         if purpose != "batch":
             raise bad_request(f"`purpose` must be \"batch\" (the only one this server "

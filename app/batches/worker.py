@@ -12,8 +12,9 @@ One trio task (`BatchWorker.run`) ticks a few times a second:
   a refused request (429/503) stays pending and is tried again;
 - watches each batch's pace (`Pace`): when its remaining requests no longer fit its
   window at the measured completion rate, it is raised one level: 1 runs its requests in
-  the interactive class behind every interactive request, 2 at its tenant's priority
-  (what it had in the engines is withdrawn and handed out again at the new level);
+  the interactive class behind every interactive request, with half its slots, 2 at its
+  tenant's priority (what it had in the engines is withdrawn and handed out again at the
+  new level);
 - ends batches: `completed` when nothing is pending, `expired` past the window (finished
   results kept), `cancelled` after a cancel; output and error files are written then.
 """
@@ -44,6 +45,10 @@ TICK_S = 0.2
 RETRY_S = 1.0  # a refused request waits this long before its next try
 LEVELS = (BatchRun(background=True), BatchRun(background=False, priority=1_000),
           BatchRun(background=False))
+# Share of the batch slots (`max_in_flight` per replica) a batch may fill at each level:
+# raised into the interactive class, where nothing preempts it, it leaves half of them
+# free at level 1 so that interactive requests keep room to start.
+LEVEL_SHARE = (1.0, 0.5, 1.0)
 
 
 @dataclass
@@ -65,13 +70,13 @@ class Pace:
         self.done_at.append(now)
 
     def rate(self, now: float) -> float | None:
-        """Requests completed per second, over the last tenth of the window (at least a
-        minute), or since the batch began."""
-        horizon = now - max(60.0, 0.1 * self.window_s)
-        recent = [t for t in self.done_at if t >= horizon]
+        """Requests completed per second over the last tenth of the window (at least a
+        minute), and only since the last raise: the pace at the level it runs at now."""
+        since = max(now - max(60.0, 0.1 * self.window_s), self.raised_at)
+        recent = [t for t in self.done_at if t >= since]
         if len(recent) < 2:
             return None
-        return len(recent) / max(now - max(horizon, self.created), 1e-9)
+        return len(recent) / max(now - since, 1e-9)
 
     def eta(self, now: float, remaining: int) -> float | None:
         rate = self.rate(now)
@@ -79,12 +84,13 @@ class Pace:
 
     def at_risk(self, now: float, remaining: int) -> bool:
         """Would the remaining requests miss the window (with a 10% margin) at this pace?
-        With no measured pace, a batch that has used a fifth of its window is at risk."""
+        With no pace measured at this level yet: once a tenth of the window has passed
+        without one (a fifth before the first raise)."""
         if remaining <= 0:
             return False
         eta = self.eta(now, remaining)
         if eta is None:
-            return now - self.created > 0.2 * self.window_s
+            return now - self.raised_at > (0.1 if self.level else 0.2) * self.window_s
         return eta > self.expires - 0.1 * self.window_s
 
     def update(self, now: float, remaining: int) -> int:
@@ -203,7 +209,8 @@ class BatchWorker:
                 # interactive work) goes again at the new level.
                 for scope in a.in_flight.values():
                     scope.cancel()
-            free -= await self._fill(a, now, free)
+            share = int(self._slots() * LEVEL_SHARE[a.pace.level]) - len(a.in_flight)
+            free -= await self._fill(a, now, max(0, min(free, share)))
             if left <= 0 and not a.in_flight:
                 await self.store.set_status(a.id, "finalizing")
                 await self._finalize(a, "completed")

@@ -9,19 +9,16 @@ from __future__ import annotations
 import hashlib
 
 import httpx
-import jax
 import openai
 import pytest
 import trio
 
-from app.guardrails import Guardrails
-from app.loading import load_pools
-from app.server import run_server
-from app.state import Phase, ServerState
-from app.tenants import Tenants
+from app.state import ServerState
 from config.settings import (AdapterConfig, PoolConfig, SchedulerConfig, ServerConfig,
                              Settings)
 from tests.model.peft import write_peft
+
+from .test_real_model import real_server
 
 pytestmark = pytest.mark.slow
 BASE = "smollm2-135m-instruct"
@@ -33,7 +30,7 @@ def question(i: int) -> list[dict]:
 
 
 async def test_adapters_load_and_unload_under_16_streams(embedded_gguf, embedded_model,
-                                                         tmp_path):
+                                                         tmp_path, compilations):
     for name, seed in (("support", 1), ("legal", 2)):
         write_peft(tmp_path / name, embedded_model.config, rank=16, seed=seed, std=0.05)
     pool = PoolConfig(model=str(embedded_gguf), max_context=1024, page_size=16,
@@ -45,24 +42,10 @@ async def test_adapters_load_and_unload_under_16_streams(embedded_gguf, embedded
                                                 ttft_target_s=0, adaptive_prefill=False))
     settings = Settings(server=ServerConfig(port=0, admin_api_key_sha256=hashlib.sha256(
         ADMIN.encode()).hexdigest()), pools=[pool])
-    state = ServerState(settings, Tenants([]), Guardrails(settings.guardrails))
-    compiles: list[str] = []
-    with trio.fail_after(900):
-        async with trio.open_nursery() as nursery:
-            url = (await nursery.start(lambda task_status: run_server(
-                state, lambda: load_pools(settings, show_progress=False),
-                handle_signals=False, task_status=task_status)))[0]
-            while state.phase is Phase.LOADING:
-                await trio.sleep(0.1)
-            jax.monitoring.register_event_duration_secs_listener(
-                lambda event, duration, **kw: compiles.append(event) if "compile" in event
-                else None)
-            try:
-                await _exercise(url, state)
-            finally:
-                jax.monitoring.clear_event_listeners()
-            state.request_drain()
-    assert compiles == []
+    async with real_server(settings) as (url, state):
+        compilations.clear()  # warm-up is over ("full"): from here on, nothing compiles
+        await _exercise(url, state)
+    assert compilations == []
 
 
 async def _exercise(url: str, state: ServerState) -> None:

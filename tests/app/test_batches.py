@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import msgspec
 import trio
 
 from config.settings import TenantConfig
@@ -229,3 +230,30 @@ async def test_cli_submit_wait_results_list(tmp_path, capsys):
         assert f"{bid} completed: 5 completed, 0 failed of 5" in capsys.readouterr().out
         assert await trio.to_thread.run_sync(cli, "status", "batch_nope") == 1
         assert "404: No such batch" in capsys.readouterr().err
+
+
+async def test_limits_answer_with_a_clear_message(tmp_path):
+    """Bytes per file (413), lines per batch (400), a tenant's pending batch tokens (429)."""
+    from config.settings import BatchConfig
+
+    tenants = [TenantConfig(name="t", api_key_sha256=sha("k"), max_batch_tokens=2_000)]
+    cfg = settings(tenants=tenants)
+    cfg = msgspec.structs.replace(cfg, batches=BatchConfig(
+        data_dir=str(tmp_path), max_file_bytes=2_000, max_requests=5))
+    key = {"Authorization": "Bearer k"}
+    async with serve(cfg) as srv, srv.client() as c:
+        big = jsonl([chat_body(i) for i in range(40)])
+        err = assert_error(await c.post("/v1/files", headers=key, files={
+            "file": ("big.jsonl", big)}, data={"purpose": "batch"}), 413,
+            code="file_too_large")
+        assert "2000 bytes" in err["message"]
+        six = {"requests": [chat_body(i) for i in range(6)]}
+        err = assert_error(await c.post("/v1/batches", headers=key, json=six), 400,
+                           code="too_many_requests")
+        assert "more than 5 requests" in err["message"]
+        heavy = {"requests": [chat_body(i, 600) for i in range(3)]}  # ~3 x 610 tokens
+        r = await c.post("/v1/batches", headers=key, json=heavy)
+        assert r.status_code == 200, r.text
+        err = assert_error(await c.post("/v1/batches", headers=key, json=heavy), 429,
+                           code="batch_quota")
+        assert "limit of 2000" in err["message"]

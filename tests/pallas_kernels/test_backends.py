@@ -3,7 +3,9 @@
 A drawn case is one attention group of a step as the runner hands it to a backend: rows
 (sequences or prefill blocks) sorted longest first, each with a scrambled page table of
 one layer of a multi-layer pool, a context length and a query count, the rows sharing a
-prefix of pages or not, queries starting mid-page, padding rows. Shapes come from a small
+prefix of pages or not (or only some of them: others start with pages of their own, as
+an adapter's or a batch job's request beside interactive ones), queries starting
+mid-page, padding rows. Shapes come from a small
 set (each new shape compiles); lengths, tables, prefixes and the layer are values.
 """
 
@@ -31,7 +33,7 @@ class Case:
     v: np.ndarray
     group: GroupLayout
     layer: int
-    shared_pages: int  # pages every real row's table starts with
+    shared_pages: int  # pages the sharing rows' tables start with
 
 
 @st.composite
@@ -44,6 +46,7 @@ def cases(draw, *, head_dims=(16, 32)):
     rows = 4
     real = draw(st.integers(1, rows))
     shared = draw(st.integers(0, 4))
+    outsiders = draw(st.integers(0, 2))  # real rows whose tables do not start with it
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     ids = iter(rng.permutation(np.arange(1, PAGES)))  # scrambled: any page, any order
     common = [int(next(ids)) for _ in range(shared)]
@@ -56,7 +59,8 @@ def cases(draw, *, head_dims=(16, 32)):
         own = draw(st.integers(q_len, (WIDTH - shared) * ps - 1))
         ctx[r], ql[r] = shared * ps + own, q_len
         n = -(-int(ctx[r]) // ps)
-        tables[r, :n] = common + [int(next(ids)) for _ in range(n - shared)]
+        mine = common if r >= outsiders else []
+        tables[r, :n] = mine + [int(next(ids)) for _ in range(n - len(mine))]
     order = np.argsort(-ctx, kind="stable")  # longest context first, padding last
     pool = PoolLayout(LAYERS, PAGES, ps, kvh, d, np.float32, WIDTH)
     shape = (rows, queries, kvh * group, d)
@@ -152,3 +156,34 @@ def test_dense_reference_by_hand():
     s = np.exp(np.array([2, 0, 2]) / np.sqrt(2))  # scores of query 2 against the 3 keys
     expect = (s[0] * np.array([1, 0]) + s[1] * np.array([0, 1]) + s[2] * 2) / s.sum()
     np.testing.assert_allclose(out[0, 1, 0], expect, atol=1e-6)
+
+
+def test_the_cascade_serves_the_rows_most_tables_start_like():
+    """Three rows after one system prompt (pages 5, 6), one of another prefix (a batch
+    job's), one padding row: the three go first and share the cascade, the fourth walks
+    its own table; the same attention."""
+    from pallas_kernels.cpu import sharing_rows
+
+    tables = np.array([[5, 6, 7, 0], [5, 6, 8, 0], [9, 10, 11, 0], [5, 6, 12, 0],
+                       [0, 0, 0, 0]], np.int32)
+    ctx = np.array([9, 10, 11, 12, 0], np.int32)
+    ql = np.array([1, 1, 1, 1, 0], np.int32)
+    assert sharing_rows(tables, ctx, ql, 4).tolist() == [True, True, False, True, False]
+    pool = PoolLayout(1, 16, 4, 1, 8, np.float32, 4)
+    backend = make_backend("cpu", pool, decode_rows_per_group=2)
+    group = GroupLayout(tables, ctx, ql)
+    meta = backend.metadata(group)
+    assert int(meta.shared_len) == 8 and meta.shared_pages[:2].tolist() == [5, 6]
+    assert meta.order.tolist() == [0, 1, 3, 2, 4] and meta.shared_rows.tolist() == [
+        1, 1, 1, 0, 0]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((5, 1, 1, 8)).astype(np.float32)
+    k, v = (rng.standard_normal(pool.shape).astype(np.float32) for _ in range(2))
+    out = np.asarray(backend.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                    jnp.int32(0), meta, backend.state))
+    ref = np.asarray(paged_attention_dense(q, k, v, tables, ctx, ql))
+    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
+    # A fourth row as long as the others but of another prefix: sharing would walk as
+    # many keys as not (one row group of 8), so no cascade.
+    long = GroupLayout(tables, np.array([9, 10, 12, 12, 0], np.int32), ql)
+    assert int(make_backend("cpu", pool).metadata(long).shared_len) == 0
