@@ -12,12 +12,8 @@ OUT=${1:?OUT_DIR}; PORT=${2:-18900}
 mkdir -p "$OUT"
 .venv/bin/python benchmarks/make_adapters.py --n 4 --rank 16 --out "$OUT/adapters" \
   | sed '1i [[pools]]\nkv_cache_bytes = 1073741824' > "$OUT/lora.toml"
-.venv/bin/sluice serve --config "$OUT/lora.toml" --port "$PORT" > "$OUT/serve.log" 2>&1 &
-PID=$!
-trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
-until curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"warmup_remaining_shapes":0'; do
-  sleep 2
-done
+. benchmarks/serve_ready.sh
+serve_ready "$OUT" "$PORT" --config "$OUT/lora.toml"
 BENCH=".venv/bin/sluice bench --url http://127.0.0.1:$PORT --workload shared-prefix \
   --concurrency 16 --ramp-up 20 --warmup-requests 4 --requests 48 --no-progress"
 for round in 1 2; do

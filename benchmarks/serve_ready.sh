@@ -1,0 +1,14 @@
+# Sourced by the benchmark scripts: `serve_ready OUT PORT [serve flags...]` starts
+# `sluice serve` (batch store under OUT/store, log OUT/serve.log), stops it when the
+# script exits, and returns once every step shape is compiled. Sets PID.
+serve_ready() {
+  local out=$1 port=$2
+  shift 2
+  SLUICE_DATA_DIR="$out/store" .venv/bin/sluice serve --port "$port" "$@" \
+    > "$out/serve.log" 2>&1 &
+  PID=$!
+  trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null' EXIT
+  until curl -sf "http://127.0.0.1:$port/health" | grep -q '"warmup_remaining_shapes":0'; do
+    sleep 2
+  done
+}
