@@ -7,6 +7,9 @@ the background); a step runs in the smallest ready bucket that holds it and neve
 compiles. The KV pool is allocated once at construction and donated into every step, so
 XLA updates it in place. Attention is the backend's business (`pallas_kernels`): the
 runner hands it each step's generic layout and passes its metadata and state along.
+
+(Just over 350 lines: the runner owns the device state — KV pool, adapter slots,
+compiled programs — and every path that touches it is kept here, under one lock.)
 """
 
 from __future__ import annotations
@@ -153,6 +156,11 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.drop(name)
 
+    @property
+    def _lora_arrays(self):
+        """What the compiled steps take for the adapter slots (None: no LoRA code)."""
+        return None if self.lora is None else self.lora.arrays
+
     # ----------------------------------------------------------------- limits and buckets
     @property
     def limits(self) -> StepLimits:
@@ -244,7 +252,7 @@ class ModelRunner:
         with self._lock:
             batch = self._batch(layout, [])
             state = self.attention.state
-            lora = None if self.lora is None else self.lora.arrays
+            lora = self._lora_arrays
         fn = functools.partial(
             forward, cfg=self.config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
@@ -258,7 +266,7 @@ class ModelRunner:
         with self._lock:
             batch = self._batch(layout, [])
             self.kv, logits = step(self.params, self.kv, batch, self.attention.state,
-                                   None if self.lora is None else self.lora.arrays)
+                                   self._lora_arrays)
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
                     logits, *self._sampling_args(kind, rows, [])))
@@ -313,7 +321,7 @@ class ModelRunner:
             batch = self._batch(layout, plan.copies)
             self.kv, logits = self._steps[bucket](
                 self.params, self.kv, batch, self.attention.state,
-                None if self.lora is None else self.lora.arrays)
+                self._lora_arrays)
             sampled = self._sample(layout.samples, logits, self._sample_rows(bucket))
             if not layout.samples:
                 # Nothing sampled, so nothing waited for the step: wait here. Otherwise
