@@ -127,6 +127,14 @@ def unload_adapter(router: Router, name: str) -> Pool:
                     code="lora_not_found")
 
 
+def is_admin(server: ServerConfig, authorization: str | None) -> bool:
+    """Does the request carry the admin key (`Authorization: Bearer <key>`)?"""
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    return (scheme.lower() == "bearer" and bool(key) and server.admin_api_key_sha256 is not None
+            and hashlib.sha256(key.encode()).hexdigest() == server.admin_api_key_sha256)
+
+
 def check_admin(server: ServerConfig, tenants: Tenants, authorization: str | None) -> None:
     """Only the admin key may load and unload adapters: 401 without a valid key, 403 for
     any other key (or when no admin key is configured)."""
@@ -139,10 +147,9 @@ def check_admin(server: ServerConfig, tenants: Tenants, authorization: str | Non
         raise APIError(403, "Loading adapters at run time is off: configure "
                        "server.admin_api_key_sha256.", type="permission_error",
                        code="admin_disabled")
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    if digest == server.admin_api_key_sha256:
+    if is_admin(server, authorization):
         return
-    if digest in tenants.by_digest or tenants.open:
+    if hashlib.sha256(key.encode()).hexdigest() in tenants.by_digest or tenants.open:
         raise APIError(403, "This key may not manage adapters (admin key needed).",
                        type="permission_error", code="admin_required")
     raise APIError(401, "Incorrect API key provided.", type="authentication_error",

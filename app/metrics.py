@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .stats import LiveStats, Observer
+
 if TYPE_CHECKING:
     from .pools import Router
 
@@ -44,6 +46,7 @@ class Metrics:
         self.router: Router | None = None  # set once the pools are loaded
         self.batches = None  # app.batches.Batches, when batch jobs are on
         self.app_rejections: Counter[tuple[str, str, str]] = Counter()  # (model, pool, reason)
+        self.live = LiveStats()  # the last minutes, for GET /v1/stats (app/stats.py)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
@@ -60,6 +63,12 @@ class Metrics:
         self.registry.register(_EngineCollector(self))
         # process_resident_memory_bytes, CPU seconds, open fds: the server's own footprint.
         ProcessCollector(registry=self.registry)
+
+    def latencies(self, model: str, pool: str) -> tuple[Observer, Observer]:
+        """(TTFT, inter-token) observers of one pool: its histograms and its recent
+        samples together."""
+        return (Observer(self.ttft.labels(model, pool), self.live.recent("ttft", pool)),
+                Observer(self.itl.labels(model, pool), self.live.recent("itl", pool)))
 
     def reject(self, model: str, pool: str, reason: str) -> None:
         self.app_rejections[(model, pool, reason)] += 1

@@ -16,11 +16,12 @@ from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
                       CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health,
                       LoadLoraAdapterRequest, LoraAdapterCard, ModelList, TokenizeRequest,
                       TokenizeResponse, UnloadLoraAdapterRequest)
+from .stats import KEEP_S, STEPS_SINCE, Stats
 
 _TYPES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
           ChatCompletion, ChatCompletionChunk, Completion, ModelList, TokenizeResponse,
           DetokenizeResponse, Health, ErrorBody, LoadLoraAdapterRequest, LoraAdapterCard,
-          UnloadLoraAdapterRequest)
+          UnloadLoraAdapterRequest, Stats)
 _REF = "#/components/schemas/{name}"
 
 
@@ -79,6 +80,26 @@ def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
         "/v1/models": {"get": {"summary": "Served models", "responses": {
             "200": {"description": "Models", "content": _json(ModelList)},
             **_errors(401, 503)}}},
+        "/v1/stats": {"get": {
+            "summary": "Live figures per pool and replica (what the /dashboard page draws)",
+            "description": "Rates and percentiles over the last `window_s` seconds (or "
+                           "since start): TTFT and inter-token latency as clients saw them, "
+                           "output tokens/s, refusals/s by reason, KV pages, prefix-cache "
+                           "hit rate, busy and useful-busy fractions, the steps each replica "
+                           "ran since `steps_since`, tenants' tokens/min against quota and "
+                           "batch jobs' progress. A tenant's key sees only its own tenant "
+                           "and batches; the admin key, or a server without tenants, all.",
+            "security": [{"bearer": []}, {}],
+            "parameters": [
+                {"name": "window_s", "in": "query", "required": False,
+                 "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": KEEP_S,
+                            "default": 60}},
+                {"name": "steps_since", "in": "query", "required": False,
+                 "description": "Comma-separated `pool/replica:index`: return only steps "
+                                "after that index for that replica (the last one seen).",
+                 "schema": {"type": "string", "pattern": STEPS_SINCE}}],
+            "responses": {"200": {"description": "Live figures", "content": _json(Stats)},
+                          **_errors(400, 401)}}},
         "/tokenize": {"post": {
             "summary": "Prompt (or chat messages, templated) to token ids",
             "requestBody": {"required": True, "content": _json(TokenizeRequest)},

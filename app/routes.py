@@ -13,8 +13,9 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from .adapters import check_admin, load_adapter, unload_adapter
+from .adapters import check_admin, is_admin, load_adapter, unload_adapter
 from .batches.routes import register_batch_routes
+from .console import register_console
 from .completions import admit, check_phase, encode_messages
 from .errors import bad_request, unavailable
 from .guardrails import OutputGate
@@ -25,6 +26,7 @@ from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, LoadLoraAda
                       LoraAdapterCard, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                       UnloadLoraAdapterRequest, decode_body)
 from .state import Phase, ServerState
+from .stats import parse_query, report
 from .streaming import collect, sse_body
 
 T = TypeVar("T")
@@ -38,6 +40,8 @@ def json_response(obj: object, status: int = 200) -> Response:
 def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
     server = state.settings.server
     register_batch_routes(app, state)
+    if server.console:
+        register_console(app)
 
     async def generate(kind: str) -> Response:
         body = await request.get_data(cache=False)
@@ -107,6 +111,25 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         detail = f"serving; {warming} step shapes still compiling in the background" \
             if warming else ""
         return json_response(Health("ok", detail, warming))
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        """The console's live figures. Any valid key sees the pools; a tenant's key sees
+        its own tenant and batches, the admin key (or an open server) everyone's."""
+        auth = request.headers.get("Authorization")
+        tenant = None
+        if not is_admin(server, auth):
+            t = state.tenants.authenticate(auth)
+            tenant = None if state.tenants.open else t.name
+        try:
+            window, since = parse_query(request.args.get("window_s"),
+                                        request.args.get("steps_since"))
+        except ValueError as e:
+            raise bad_request(str(e), param="window_s" if "window" in str(e)
+                              else "steps_since") from None
+        out = report(state, state.metrics.live, window_s=window, steps_since=since,
+                     tenant=tenant)
+        return json_response(out)
 
     @app.get("/metrics")
     async def metrics() -> Response:

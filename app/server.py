@@ -42,7 +42,7 @@ def _error_response(e: APIError) -> Response:
 
 
 def create_app(state: ServerState) -> QuartTrio:
-    app = QuartTrio("sluice")
+    app = QuartTrio("sluice", static_folder=None)  # the console serves /static (console.py)
     app.config["RESPONSE_TIMEOUT"] = None  # Quart's 60 s default silently cuts long streams
     app.config["MAX_CONTENT_LENGTH"] = state.settings.server.max_body_bytes
     # Batch files have their own limit (bigger than any request body, by default).
@@ -164,6 +164,7 @@ async def run_server(
             if handle_signals:
                 nursery.start_soon(_watch_signals, state, nursery.cancel_scope)
             binds = await nursery.start(http)
+            nursery.start_soon(state.metrics.live.run, state)  # the console's 1 s samples
             if on_listening:
                 on_listening(binds)
             task_status.started(binds)

@@ -47,7 +47,7 @@ class Reader:
         self.last_token_at: float | None = None
         labels = (adm.flight.pool.model_name, adm.flight.pool.name)  # adapters: their base
         m = adm.flight.state.metrics
-        self.ttft, self.itl = m.ttft.labels(*labels), m.itl.labels(*labels)
+        self.ttft, self.itl = m.latencies(*labels)
         self.e2e, self.queue = m.e2e.labels(*labels), m.queue.labels(*labels)
 
     async def batch(self) -> list[TokenEvent | FinishEvent | ErrorEvent]:

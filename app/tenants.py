@@ -71,6 +71,7 @@ class Tenant:
     in_flight: int = 0
     bucket: TokenBucket | None = None
     rejected: int = 0
+    tokens: int = 0  # prompt + generated tokens of its ended requests (the console's rate)
 
     @property
     def name(self) -> str:
@@ -102,6 +103,7 @@ class Lease:
             return
         self.released = True
         self.tenant.in_flight -= 1
+        self.tenant.tokens += used_tokens
         if self.tenant.bucket is not None:
             self.tenant.bucket.refund(max(0, self.charged - used_tokens))
 

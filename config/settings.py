@@ -79,6 +79,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # SHA-256 of the key that may load and unload LoRA adapters at run time
     # (POST /v1/load_lora_adapter, /v1/unload_lora_adapter). None: those endpoints are off.
     admin_api_key_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    # The web console: the chat page at / and the live dashboard at /dashboard (static
+    # files in app/static; their API calls carry the key). False: neither is served.
+    console: bool = True
 
 
 class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

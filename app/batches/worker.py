@@ -159,6 +159,20 @@ class BatchWorker:
                 "estimated_completion_at": None if eta is None else int(eta),
                 "at_risk": a.pace.at_risk(self.clock(), left)}
 
+    def progress_all(self) -> list[dict[str, Any]]:
+        """Every unfinished batch's progress, soonest deadline first (GET /v1/stats)."""
+        now = self.clock()  # wall time, as the store's timestamps
+        out = []
+        for a in sorted(self.active.values(), key=lambda a: (a.row["expires_at"], a.id)):
+            r = a.row
+            left = r["total"] - r["completed"] - r["failed"]
+            out.append({"id": a.id, "tenant": r["tenant"], "total": r["total"],
+                        "completed": r["completed"], "failed": r["failed"],
+                        "running": len(a.in_flight), "priority_level": a.pace.level,
+                        "at_risk": bool(a.pace.at_risk(now, left)),
+                        "expires_in_s": round(max(0.0, r["expires_at"] - now), 1)})
+        return out
+
     # -- the loop ------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:

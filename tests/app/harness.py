@@ -64,14 +64,15 @@ def sha(key: str) -> str:
 def settings(*, max_waiting: int = 64, max_running: int = 16, max_streams: int = 512,
              tenants: Sequence[TenantConfig] = (), replicas: int = 1, drain_grace_s: float = 5.0,
              pool: dict | None = None, admin_key: str | None = None,
-             data_dir: str | None = None, **extra) -> Settings:
+             data_dir: str | None = None, console: bool = True, **extra) -> Settings:
     sched = SchedulerConfig(max_waiting=max_waiting, max_running=max_running,
                             max_step_tokens=128, kv_reserve_pages=2)
     pool_cfg = PoolConfig(name="test", model="fake", served_model_names=[MODEL, "fake-alias"],
                       replicas=replicas, scheduler=sched, **(pool or {}))
     server = ServerConfig(host="127.0.0.1", port=0, max_body_bytes=64 * 1024,
                           max_streams=max_streams, drain_grace_s=drain_grace_s,
-                          admin_api_key_sha256=sha(admin_key) if admin_key else None)
+                          admin_api_key_sha256=sha(admin_key) if admin_key else None,
+                          console=console)
     # Batch jobs only for the tests that give the store a directory of their own.
     batches = BatchConfig(enabled=data_dir is not None, data_dir=data_dir)
     return Settings(server=server, pools=[pool_cfg], tenants=list(tenants), batches=batches,

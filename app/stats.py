@@ -1,0 +1,400 @@
+"""GET /v1/stats: what the console's dashboard draws, as JSON that is useful on its own.
+
+Three sources, none of which touches the engine's step path:
+- each replica's `stats()` and its last `StepRecord`s, read when asked;
+- `LiveStats.run`, a once-a-second sampler keeping ten minutes of counters; rates (output
+  tokens/s, refusals/s by reason, busy and useful-busy fractions, prefix hits, tenants'
+  tokens/min) are differences between now and the sample `window_s` ago, and the per-second
+  series the charts start from come from the same ring;
+- `Recent`: TTFT and inter-token gaps sample by sample as the stream handlers observe them
+  (app/streaming.py, beside the Prometheus histograms), so the percentiles over the last
+  minute are exact (numpy's linear percentile, as `sluice bench` computes its own), not
+  estimates from histogram buckets.
+The JSON's types are msgspec Structs, so /openapi.json describes exactly what is sent.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+import numpy as np
+import trio
+
+if TYPE_CHECKING:
+    from .pools import Pool
+    from .state import ServerState
+    from .tenants import Tenant
+
+KEEP_S = 600.0  # samples and latencies kept: the widest window a caller may ask for
+# GET /v1/stats?steps_since=default/0:1234,long/0:88 (pool/replica:last step index seen)
+STEPS_SINCE = r"^([^,]+/[0-9]+:-?[0-9]+)?(,[^,]+/[0-9]+:-?[0-9]+)*$"
+MAX_STEPS = 240  # step records returned per replica and call
+_MAX_LATENCIES = 500_000  # per pool and kind: a bound on memory whatever the load
+
+
+class Recent:
+    """One latency's samples over the last `KEEP_S` seconds, in arrival order."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.samples: deque[tuple[float, float]] = deque(maxlen=_MAX_LATENCIES)
+
+    def add(self, value: float) -> None:
+        now = self.clock()
+        self.samples.append((now, value))
+        while self.samples[0][0] < now - KEEP_S:
+            self.samples.popleft()
+
+    def since(self, t: float) -> list[float]:
+        return [v for at, v in self.samples if at >= t]
+
+
+class Observer:
+    """A Prometheus histogram child and its `Recent` twin, observed together."""
+
+    __slots__ = ("hist", "recent")
+
+    def __init__(self, hist: Any, recent: Recent) -> None:
+        self.hist, self.recent = hist, recent
+
+    def observe(self, value: float) -> None:
+        self.hist.observe(value)
+        self.recent.add(value)
+
+
+# -- the JSON ------------------------------------------------------------------------------
+class Percentiles(msgspec.Struct):
+    """Over the window; null when nothing was observed."""
+
+    p50: float | None
+    p95: float | None
+    mean: float | None  # equals /metrics' sum / count over the same requests
+    count: int
+
+
+class Slo(msgspec.Struct):
+    """The lines the dashboard draws: the pool's scheduler targets (1 s / 50 ms when off)."""
+
+    ttft_s: float
+    itl_s: float
+
+
+class KvPages(msgspec.Struct):
+    total: int
+    in_use: int  # held by live sequences
+    cached: int  # unreferenced, kept for prefix hits (evictable)
+    free: int
+
+
+class Step(msgspec.Struct):
+    """One engine step: what it carried and how long it took."""
+
+    index: int
+    ago_s: float  # seconds between the step's end and this report
+    duration_s: float
+    decode_rows: int
+    prefill_tokens: int
+    padding_tokens: int  # computed for bucket padding, not for a request
+    preempted: int
+    error: bool
+
+
+class Series(msgspec.Struct):
+    """Once a second over the window, oldest first (`ago_s` counts back from now)."""
+
+    ago_s: list[float]
+    running: list[int]
+    waiting: list[int]
+    kv_pages_in_use: list[int]
+    output_tokens_per_s: list[float]
+    refused_per_s: list[float]  # 429s at the door, all reasons
+    shed_per_s: list[float]
+
+
+class ReplicaStats(msgspec.Struct):
+    replica: int
+    alive: bool
+    running: int
+    waiting: int
+    oldest_waiting_age_s: float
+    kv_pages: KvPages
+    busy_fraction: float | None  # over the window: time inside steps / wall time
+    steps: list[Step]  # newest last; only those after `steps_since`, at most 240
+    last_step_index: int
+
+
+class PoolStats(msgspec.Struct):
+    name: str
+    model: str
+    adapters: list[str]
+    slo: Slo
+    running: int
+    waiting: int
+    oldest_waiting_age_s: float
+    kv_pages: KvPages
+    prefix_cache_hit_rate: float | None  # prompt tokens served from cache / looked up
+    ttft: Percentiles  # seconds, as the clients saw them
+    itl: Percentiles
+    output_tokens_per_s: float
+    prompt_tokens_per_s: float
+    refused_per_s: dict[str, float]  # 429s at the door, by reason
+    shed_per_s: float  # admitted, then dropped after waiting past the queue deadline
+    busy_fraction: float | None
+    useful_busy_fraction: float | None  # busy x the share of computed tokens that were real
+    replicas: list[ReplicaStats]
+    series: Series
+
+
+class TenantStats(msgspec.Struct):
+    name: str
+    in_flight: int
+    max_concurrency: int | None
+    tokens_per_min: float  # prompt + generated tokens of requests ended in the window
+    quota_tokens_per_min: int | None
+    priority: int
+
+
+class BatchProgress(msgspec.Struct):
+    id: str
+    tenant: str
+    total: int
+    completed: int
+    failed: int
+    running: int
+    priority_level: int
+    at_risk: bool
+    expires_in_s: float
+
+
+class Stats(msgspec.Struct):
+    """GET /v1/stats: the server's live state per pool and replica (the console's source)."""
+
+    time: float  # unix seconds
+    uptime_s: float
+    phase: str
+    window_s: float  # rates and percentiles are over this many seconds (or since start)
+    warmup_remaining: int
+    pools: list[PoolStats]
+    tenants: list[TenantStats]
+    batches: list[BatchProgress] | None  # null when batch jobs are off
+
+
+# -- the sampler ---------------------------------------------------------------------------
+@dataclass
+class _Sample:
+    t: float
+    pools: dict[str, dict[str, Any]]  # pool name -> summed counters and gauges
+    replicas: dict[tuple[str, int], float]  # (pool, replica) -> busy seconds
+    tenants: dict[str, int]  # tenant name -> tokens of ended requests
+
+
+@dataclass
+class LiveStats:
+    """The recent past the dashboard needs: latencies per pool and a ring of samples."""
+
+    clock: Callable[[], float] = time.monotonic
+    ttft: dict[str, Recent] = field(default_factory=dict)
+    itl: dict[str, Recent] = field(default_factory=dict)
+    samples: deque[_Sample] = field(default_factory=lambda: deque(maxlen=int(KEEP_S) + 1))
+    started: float = field(default_factory=time.monotonic)
+
+    def recent(self, kind: str, pool: str) -> Recent:
+        table = self.ttft if kind == "ttft" else self.itl
+        if pool not in table:
+            table[pool] = Recent(self.clock)
+        return table[pool]
+
+    def sample(self, state: ServerState) -> _Sample:
+        pools: dict[str, dict[str, Any]] = {}
+        replicas: dict[tuple[str, int], float] = {}
+        for pool in state.router.pools if state.router else []:
+            stats = pool.stats()
+            pools[pool.name] = _counters(stats, state.metrics.app_rejections, pool)
+            for i, s in enumerate(stats):
+                replicas[(pool.name, i)] = s.busy_s
+        tenants = {t.name: t.tokens for t in _tenants(state)}
+        return _Sample(self.clock(), pools, replicas, tenants)
+
+    async def run(self, state: ServerState) -> None:
+        """Sample once a second until cancelled (started with the server)."""
+        while True:
+            self.samples.append(self.sample(state))
+            await trio.sleep(1.0)
+
+    def baseline(self, since: float) -> _Sample | None:
+        """The oldest sample at or after `since` (None before the first)."""
+        for s in self.samples:
+            if s.t >= since:
+                return s
+        return self.samples[-1] if self.samples else None
+
+
+def _counters(stats: list, app_rejections: dict, pool: Pool) -> dict[str, Any]:
+    refused: dict[str, int] = {}
+    for s in stats:
+        for reason, n in s.rejections.items():
+            refused[reason] = refused.get(reason, 0) + n
+    for (_, pool_name, reason), n in app_rejections.items():
+        if pool_name == pool.name:
+            refused[reason] = refused.get(reason, 0) + n
+    return dict(
+        generation_tokens=sum(s.generation_tokens for s in stats),
+        prompt_tokens=sum(s.prompt_tokens for s in stats),
+        busy_s=sum(s.busy_s for s in stats),
+        real_tokens=sum(s.real_tokens for s in stats),
+        padded_tokens=sum(s.padded_tokens for s in stats),
+        prefix_queries=sum(s.prefix_cache_queries_tokens for s in stats),
+        prefix_hits=sum(s.prefix_cache_hits_tokens for s in stats),
+        refused=refused,
+        running=sum(s.running for s in stats),
+        waiting=sum(s.waiting for s in stats),
+        kv_in_use=sum(s.kv_pages_in_use for s in stats),
+        replicas=len(stats),
+    )
+
+
+def _tenants(state: ServerState) -> list[Tenant]:
+    t = state.tenants
+    return [t.anonymous] if t.open else list(t.by_digest.values())
+
+
+def parse_query(window: str | None, steps_since: str | None
+                ) -> tuple[float, dict[tuple[str, int], int]]:
+    """The query's (window_s, steps_since); ValueError saying what is wrong."""
+    try:
+        w = 60.0 if window is None else float(window)
+    except ValueError:
+        raise ValueError("`window_s` is a number of seconds.") from None
+    if not 0 < w <= KEEP_S:  # NaN fails too
+        raise ValueError(f"`window_s` must be in (0, {KEEP_S:g}] seconds.")
+    since: dict[tuple[str, int], int] = {}
+    if steps_since:
+        if re.fullmatch(STEPS_SINCE, steps_since) is None:
+            raise ValueError("`steps_since` is a comma-separated list of "
+                             "pool/replica:step_index.")
+        for item in steps_since.split(","):
+            pool_replica, _, index = item.rpartition(":")
+            pool, _, replica = pool_replica.rpartition("/")
+            since[(pool, int(replica))] = int(index)
+    return w, since
+
+
+# -- the report ----------------------------------------------------------------------------
+def report(state: ServerState, live: LiveStats, *, window_s: float = 60.0,
+           steps_since: dict[tuple[str, int], int] | None = None,
+           tenant: str | None = None) -> Stats:
+    """The whole /v1/stats answer. `tenant`: show only that tenant (None: all)."""
+    now = live.clock()
+    base = live.baseline(now - window_s)
+    span = now - base.t if base is not None else 0.0
+    pools = [_pool(state, live, p, now, window_s, base, span, steps_since or {})
+             for p in (state.router.pools if state.router else [])]
+    tenants = [_tenant(t, base, span) for t in _tenants(state)
+               if tenant is None or t.name == tenant]
+    batches = None
+    if state.batches is not None:
+        batches = [BatchProgress(**b) for b in state.batches.worker.progress_all()
+                   if tenant is None or b["tenant"] == tenant]
+    warming = sum(p.warmup_remaining for p in state.router.pools) if state.router else 0
+    return Stats(time.time(), now - live.started, state.phase.value, round(span, 3) or window_s,
+                 warming, pools, tenants, batches)
+
+
+def _rate(now: float, then: float, span: float) -> float:
+    return (now - then) / span if span > 0 else 0.0
+
+
+def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s: float,
+          base: _Sample | None, span: float, steps_since: dict) -> PoolStats:
+    stats = pool.stats()
+    cur = _counters(stats, state.metrics.app_rejections, pool)
+    old = base.pools.get(pool.name) if base is not None else None
+    old = old or {k: ({} if isinstance(v, dict) else 0) for k, v in cur.items()}
+
+    def d(key: str) -> float:
+        return cur[key] - old[key]
+
+    refused = {r: _rate(n, old["refused"].get(r, 0), span)
+               for r, n in sorted(cur["refused"].items()) if r != "shed"}
+    shed = _rate(cur["refused"].get("shed", 0), old["refused"].get("shed", 0), span)
+    busy = d("busy_s") / span / max(1, cur["replicas"]) if span > 0 else None
+    real_share = d("real_tokens") / d("padded_tokens") if d("padded_tokens") else None
+    useful = busy * real_share if busy is not None and real_share is not None else busy
+    queries = d("prefix_queries")
+    replicas = [_replica(pool, i, s, live, now, base, span, steps_since.get((pool.name, i), -1))
+                for i, s in enumerate(stats)]
+    sched = pool.config.scheduler
+    return PoolStats(
+        name=pool.name, model=pool.model_name, adapters=sorted(pool.adapters.by_name),
+        slo=Slo(sched.ttft_target_s or 1.0, sched.itl_target_s or 0.05),
+        running=cur["running"], waiting=cur["waiting"],
+        oldest_waiting_age_s=max((s.oldest_waiting_age_s for s in stats), default=0.0),
+        kv_pages=_kv(stats),
+        prefix_cache_hit_rate=d("prefix_hits") / queries if queries else None,
+        ttft=_percentiles(live.recent("ttft", pool.name).since(now - window_s)),
+        itl=_percentiles(live.recent("itl", pool.name).since(now - window_s)),
+        output_tokens_per_s=_rate(cur["generation_tokens"], old["generation_tokens"], span),
+        prompt_tokens_per_s=_rate(cur["prompt_tokens"], old["prompt_tokens"], span),
+        refused_per_s=refused, shed_per_s=shed, busy_fraction=busy, useful_busy_fraction=useful,
+        replicas=replicas, series=_series(live, pool.name, now, window_s))
+
+
+def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sample | None,
+             span: float, since: int) -> ReplicaStats:
+    engine = pool.engines[i]
+    then = base.replicas.get((pool.name, i), 0.0) if base is not None else 0.0
+    records = [r for r in list(engine.step_records)[-MAX_STEPS:] if r.index > since]
+    t = engine.clock()  # step times are on the engine's clock
+    steps = [Step(r.index, round(t - r.ended_at, 4), round(r.ended_at - r.started_at, 5),
+                  len(r.decoded), sum(n for _, n in r.prefilled),
+                  max(0, r.padded_tokens - r.real_tokens), len(r.preempted),
+                  r.error is not None)
+             for r in records]
+    return ReplicaStats(i, s.alive, s.running, s.waiting, s.oldest_waiting_age_s, _kv([s]),
+                        (s.busy_s - then) / span if span > 0 else None, steps, s.steps - 1)
+
+
+def _kv(stats: list) -> KvPages:
+    return KvPages(sum(s.kv_pages_total for s in stats), sum(s.kv_pages_in_use for s in stats),
+                   sum(s.kv_pages_cached for s in stats), sum(s.kv_pages_free for s in stats))
+
+
+def _percentiles(values: list[float]) -> Percentiles:
+    if not values:
+        return Percentiles(None, None, None, 0)
+    a = np.asarray(values)
+    p50, p95 = np.percentile(a, (50, 95))
+    return Percentiles(round(float(p50), 5), round(float(p95), 5), round(float(a.mean()), 5),
+                       len(values))
+
+
+def _series(live: LiveStats, pool: str, now: float, window_s: float) -> Series:
+    rows = [s for s in live.samples if s.t >= now - window_s - 1.0 and pool in s.pools]
+    out = Series([], [], [], [], [], [], [])
+    for prev, s in zip(rows, rows[1:]):
+        p, q, dt = s.pools[pool], prev.pools[pool], s.t - prev.t
+        shed = p["refused"].get("shed", 0)
+        out.ago_s.append(round(now - s.t, 3))
+        out.running.append(p["running"])
+        out.waiting.append(p["waiting"])
+        out.kv_pages_in_use.append(p["kv_in_use"])
+        out.output_tokens_per_s.append(
+            round(_rate(p["generation_tokens"], q["generation_tokens"], dt), 2))
+        out.refused_per_s.append(round(_rate(sum(p["refused"].values()) - shed,
+                                             sum(q["refused"].values())
+                                             - q["refused"].get("shed", 0), dt), 2))
+        out.shed_per_s.append(round(_rate(shed, q["refused"].get("shed", 0), dt), 2))
+    return out
+
+
+def _tenant(t: Tenant, base: _Sample | None, span: float) -> TenantStats:
+    cfg = t.config
+    then = base.tenants.get(t.name, 0) if base is not None else 0
+    per_min = (t.tokens - then) * 60.0 / span if span > 0 else 0.0
+    return TenantStats(t.name, t.in_flight, cfg.max_concurrency, round(per_min, 1),
+                       cfg.tokens_per_minute, cfg.priority)

@@ -1,0 +1,138 @@
+"""The console's server side: static pages and their caching, and GET /v1/stats (fake runner).
+
+The pages themselves are driven in a real browser in test_console_browser.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import trio
+
+from tests.app.harness import MODEL, assert_error, serve, settings, sha
+from config.settings import TenantConfig
+
+
+async def test_pages_are_served_with_hashed_files_and_cache_headers():
+    async with serve() as srv, srv.client() as c:
+        for path, marker in (("/", 'id="conversation"'), ("/dashboard", 'id="pools"')):
+            r = await c.get(path)
+            assert r.status_code == 200 and marker in r.text
+            assert r.headers["content-type"].startswith("text/html")
+            assert r.headers["cache-control"] == "no-cache"
+            assert "default-src 'self'" in r.headers["content-security-policy"]
+            again = await c.get(path, headers={"If-None-Match": r.headers["etag"]})
+            assert again.status_code == 304 and not again.content
+        page = (await c.get("/dashboard")).text
+        links = re.findall(r'"/static/([\w./-]+)\?v=(\w+)"', page)
+        assert {name for name, _ in links} >= {"dashboard.js", "common.js", "console.css",
+                                              "vendor/uPlot.iife.min.js"}
+        assert "http://" not in page and "https://" not in page  # nothing from a CDN
+        for name, v in links:
+            r = await c.get(f"/static/{name}?v={v}")
+            assert r.status_code == 200, name
+            assert r.headers["cache-control"] == "public, max-age=31536000, immutable"
+            assert r.headers["x-content-type-options"] == "nosniff"
+        stale = await c.get("/static/dashboard.js?v=0000000000")
+        assert stale.status_code == 200 and stale.headers["cache-control"] == "no-cache"
+        assert (await c.get("/static/vendor/uPlot.LICENSE.txt")).text.startswith("The MIT")
+        assert (await c.get("/static/nope.js")).status_code == 404
+        assert (await c.get("/static/index.html")).status_code == 404  # pages live at / only
+
+
+async def test_console_off_serves_no_page():
+    cfg = settings(console=False)
+    async with serve(cfg) as srv, srv.client() as c:
+        for path in ("/", "/dashboard", "/static/chat.js"):
+            assert (await c.get(path)).status_code == 404
+        assert (await c.get("/v1/stats")).status_code == 200  # the JSON stays
+
+
+async def _stream(c, n: int, max_tokens: int = 12) -> None:
+    """`n` chat streams at once, each read to its end."""
+    async def one() -> None:
+        r = await c.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens, "stream": True})
+        assert r.status_code == 200, r.text
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+
+
+async def test_stats_report_what_ran_and_agree_with_metrics():
+    async with serve(step_delay_s=0.002) as srv, srv.client() as c:
+        await _stream(c, 6)
+        await srv.wait_idle()
+        body = (await c.get("/v1/stats", params={"window_s": 30})).json()
+        (pool,) = body["pools"]
+        assert pool["name"] == "test" and pool["model"] == MODEL
+        assert pool["ttft"]["count"] == 6
+        assert pool["itl"]["count"] >= 6  # coalesced tokens count one gap
+        assert 0 < pool["ttft"]["p50"] <= pool["ttft"]["p95"]
+        assert pool["running"] == pool["waiting"] == 0
+        assert pool["kv_pages"]["in_use"] == 0 and pool["kv_pages"]["total"] > 0
+        assert pool["output_tokens_per_s"] > 0 and pool["busy_fraction"] > 0
+        assert pool["slo"] == {"ttft_s": 1.0, "itl_s": 0.05}
+        (rep,) = pool["replicas"]
+        assert rep["steps"] and rep["last_step_index"] == rep["steps"][-1]["index"]
+        assert sum(s["decode_rows"] for s in rep["steps"]) > 0
+        assert all(s["duration_s"] >= 0 and s["ago_s"] >= 0 for s in rep["steps"])
+        assert body["tenants"] == [{"name": "anonymous", "in_flight": 0, "max_concurrency": None,
+                                    "tokens_per_min": body["tenants"][0]["tokens_per_min"],
+                                    "quota_tokens_per_min": None, "priority": 0}]
+        assert body["tenants"][0]["tokens_per_min"] > 0
+        # the same requests in /metrics
+        metrics = (await c.get("/metrics")).text
+        count = re.search(r'sluice:time_to_first_token_seconds_count\{model="fake-model",'
+                          r'pool="test"\} (\S+)', metrics)
+        assert count and float(count.group(1)) == 6
+        # steps_since: only what ran after
+        last = rep["last_step_index"]
+        again = (await c.get("/v1/stats", params={"steps_since": f"test/0:{last}"})).json()
+        assert again["pools"][0]["replicas"][0]["steps"] == []
+        await _stream(c, 1)
+        await srv.wait_idle()
+        more = (await c.get("/v1/stats", params={"steps_since": f"test/0:{last}"})).json()
+        assert all(s["index"] > last for s in more["pools"][0]["replicas"][0]["steps"])
+        assert more["pools"][0]["replicas"][0]["steps"]
+
+
+async def test_stats_count_refusals_per_second_by_reason():
+    async with serve(settings(max_streams=1), step_delay_s=0.05) as srv, srv.client() as c:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stream, c, 1, 30)
+            await trio.sleep(0.2)
+            r = await c.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 429
+            pool = (await c.get("/v1/stats")).json()["pools"][0]
+            assert pool["refused_per_s"]["max_streams"] > 0
+            assert pool["running"] == 1
+
+
+async def test_stats_need_a_key_and_show_a_tenant_only_itself():
+    tenants = [TenantConfig(name="acme", api_key_sha256=sha("k-acme"), tokens_per_minute=6000),
+               TenantConfig(name="globex", api_key_sha256=sha("k-globex"))]
+    async with serve(settings(tenants=tenants, admin_key="k-admin")) as srv, srv.client() as c:
+        assert_error(await c.get("/v1/stats"), 401, code="missing_api_key")
+        assert_error(await c.get("/v1/stats", headers={"Authorization": "Bearer nope"}), 401)
+        acme = (await c.get("/v1/stats", headers={"Authorization": "Bearer k-acme"})).json()
+        assert [t["name"] for t in acme["tenants"]] == ["acme"]
+        assert acme["tenants"][0]["quota_tokens_per_min"] == 6000
+        assert acme["pools"][0]["name"] == "test"
+        admin = (await c.get("/v1/stats", headers={"Authorization": "Bearer k-admin"})).json()
+        assert sorted(t["name"] for t in admin["tenants"]) == ["acme", "globex"]
+        # the pages load without a key (their API calls carry it)
+        assert (await c.get("/dashboard")).status_code == 200
+
+
+async def test_stats_refuse_bad_parameters():
+    async with serve() as srv, srv.client() as c:
+        for params in ({"window_s": "x"}, {"window_s": "-1"}, {"window_s": "nan"},
+                       {"window_s": "601"}, {"steps_since": "test:3"},
+                       {"steps_since": "test/a:1"}, {"steps_since": "test/0:1,,test/1:2"}):
+            assert_error(await c.get("/v1/stats", params=params), 400)
+        ok = await c.get("/v1/stats", params={"window_s": "600", "steps_since": "no/pe/3:7"})
+        assert ok.status_code == 200 and ok.json()["window_s"] <= 600
