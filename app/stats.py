@@ -6,15 +6,16 @@ Three sources, none of which touches the engine's step path:
   tokens/s, refusals/s by reason, busy and useful-busy fractions, prefix hits, tenants'
   tokens/min) are differences between now and the sample `window_s` ago, and the per-second
   series the charts start from come from the same ring;
-- `Recent`: TTFT and inter-token gaps sample by sample as the stream handlers observe them
-  (app/streaming.py, beside the Prometheus histograms), so the percentiles over the last
-  minute are exact (numpy's linear percentile, as `sluice bench` computes its own), not
-  estimates from histogram buckets.
+- `Recent`: TTFT and inter-token gaps as the stream handlers observe them (app/streaming.py,
+  beside the Prometheus histograms), in per-second histograms of 1%-wide buckets: the
+  percentiles over the last minute are within 0.5% of the exact ones (Prometheus' buckets
+  are up to 2.5x wide), and memory does not grow with the rate.
 The JSON's types are msgspec Structs, so /openapi.json describes exactly what is sent.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import deque
@@ -34,24 +35,64 @@ KEEP_S = 600.0  # samples and latencies kept: the widest window a caller may ask
 # GET /v1/stats?steps_since=default/0:1234,long/0:88 (pool/replica:last step index seen)
 STEPS_SINCE = r"^([^,]+/[0-9]+:-?[0-9]+)?(,[^,]+/[0-9]+:-?[0-9]+)*$"
 MAX_STEPS = 240  # step records returned per replica and call
-_MAX_LATENCIES = 500_000  # per pool and kind: a bound on memory whatever the load
 
 
 class Recent:
-    """One latency's samples over the last `KEEP_S` seconds, in arrival order."""
+    """One latency over the last `KEEP_S` seconds, as a histogram per second.
+
+    Buckets are 1% wide on a log scale, so a percentile read back is within 0.5% of the
+    exact one, and memory stays fixed whatever the rate (a GPU pool observes thousands
+    of inter-token gaps a second): a second holds at most a few hundred distinct buckets.
+    The mean is exact (sum and count kept per second).
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.samples: deque[tuple[float, float]] = deque(maxlen=_MAX_LATENCIES)
+        self.seconds: deque[_Second] = deque()
 
     def add(self, value: float) -> None:
-        now = self.clock()
-        self.samples.append((now, value))
-        while self.samples[0][0] < now - KEEP_S:
-            self.samples.popleft()
+        sec = int(self.clock())
+        if not self.seconds or self.seconds[-1].at != sec:
+            self.seconds.append(_Second(sec))
+            while self.seconds[0].at < sec - KEEP_S:
+                self.seconds.popleft()
+        cur = self.seconds[-1]
+        k = math.floor(math.log(value) / _LOG_STEP) if value > 0 else _ZERO
+        cur.buckets[k] = cur.buckets.get(k, 0) + 1
+        cur.total += value
+        cur.count += 1
 
-    def since(self, t: float) -> list[float]:
-        return [v for at, v in self.samples if at >= t]
+    def since(self, t: float) -> Percentiles:
+        """p50, p95, mean and count of what was observed from `t` on (to the second)."""
+        merged: dict[int, int] = {}
+        total, count = 0.0, 0
+        for s in self.seconds:
+            if s.at >= math.floor(t):
+                for k, n in s.buckets.items():
+                    merged[k] = merged.get(k, 0) + n
+                total, count = total + s.total, count + s.count
+        if not count:
+            return Percentiles(None, None, None, 0)
+        keys = sorted(merged)
+        cum = np.cumsum([merged[k] for k in keys])
+
+        def pct(q: float) -> float:
+            k = keys[int(np.searchsorted(cum, q / 100 * count, side="left"))]
+            return 0.0 if k == _ZERO else math.exp((k + 0.5) * _LOG_STEP)
+
+        return Percentiles(round(pct(50), 5), round(pct(95), 5), round(total / count, 5), count)
+
+
+@dataclass(slots=True)
+class _Second:
+    at: int
+    buckets: dict[int, int] = field(default_factory=dict)  # log bucket -> observations
+    total: float = 0.0
+    count: int = 0
+
+
+_LOG_STEP = math.log(1.01)
+_ZERO = -(10**9)  # the bucket of zero (and negative) values
 
 
 class Observer:
@@ -336,8 +377,8 @@ def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s:
         oldest_waiting_age_s=max((s.oldest_waiting_age_s for s in stats), default=0.0),
         kv_pages=_kv(stats),
         prefix_cache_hit_rate=d("prefix_hits") / queries if queries else None,
-        ttft=_percentiles(live.recent("ttft", pool.name).since(now - window_s)),
-        itl=_percentiles(live.recent("itl", pool.name).since(now - window_s)),
+        ttft=live.recent("ttft", pool.name).since(now - window_s),
+        itl=live.recent("itl", pool.name).since(now - window_s),
         output_tokens_per_s=_rate(cur["generation_tokens"], old["generation_tokens"], span),
         prompt_tokens_per_s=_rate(cur["prompt_tokens"], old["prompt_tokens"], span),
         refused_per_s=refused, shed_per_s=shed, busy_fraction=busy, useful_busy_fraction=useful,
@@ -362,15 +403,6 @@ def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sam
 def _kv(stats: list) -> KvPages:
     return KvPages(sum(s.kv_pages_total for s in stats), sum(s.kv_pages_in_use for s in stats),
                    sum(s.kv_pages_cached for s in stats), sum(s.kv_pages_free for s in stats))
-
-
-def _percentiles(values: list[float]) -> Percentiles:
-    if not values:
-        return Percentiles(None, None, None, 0)
-    a = np.asarray(values)
-    p50, p95 = np.percentile(a, (50, 95))
-    return Percentiles(round(float(p50), 5), round(float(p95), 5), round(float(a.mean()), 5),
-                       len(values))
 
 
 def _series(live: LiveStats, pool: str, now: float, window_s: float) -> Series:

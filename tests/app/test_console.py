@@ -136,3 +136,25 @@ async def test_stats_refuse_bad_parameters():
             assert_error(await c.get("/v1/stats", params=params), 400)
         ok = await c.get("/v1/stats", params={"window_s": "600", "steps_since": "no/pe/3:7"})
         assert ok.status_code == 200 and ok.json()["window_s"] <= 600
+
+
+def test_recent_latencies_read_back_within_half_a_percent_and_forget_old_seconds():
+    import numpy as np
+
+    from app.stats import KEEP_S, Recent
+
+    now = [0.0]
+    r = Recent(clock=lambda: now[0])
+    values = np.random.default_rng(0).lognormal(-2.0, 1.0, 5000)
+    for i, v in enumerate(values):
+        now[0] = i * 0.01
+        r.add(float(v))
+    for since, part in ((0.0, values), (30.0, values[3000:])):
+        got = r.since(since)
+        want = np.percentile(part, (50, 95))
+        assert got.count == len(part)
+        assert abs(got.p50 / want[0] - 1) < 0.01 and abs(got.p95 / want[1] - 1) < 0.01
+        assert abs(got.mean / part.mean() - 1) < 1e-4
+    now[0] += KEEP_S + 2
+    r.add(0.5)
+    assert r.since(0.0).count == 1 and len(r.seconds) == 1  # older seconds dropped
