@@ -59,6 +59,21 @@ def histograms(http: httpx.Client) -> dict[str, dict[str, float]]:
     return out
 
 
+def hist_bucket(q: float, before: dict, after: dict) -> tuple[float, float] | None:
+    """The /metrics bucket (lower, upper bound) that holds the q-quantile's rank: what the
+    histogram knows for certain about it."""
+    bounds = sorted((float(k), after[k] - before.get(k, 0.0)) for k in after
+                    if k not in ("sum", "count"))
+    if not bounds or not bounds[-1][1]:
+        return None
+    lo = 0.0
+    for le, cum in bounds:
+        if cum >= q * bounds[-1][1]:
+            return lo, le
+        lo = le
+    return lo, float("inf")
+
+
 def hist_quantile(q: float, before: dict, after: dict) -> float | None:
     """Prometheus' histogram_quantile over the difference of two scrapes."""
     bounds = sorted((float(k), after[k] - before.get(k, 0.0)) for k in after
@@ -195,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "p95": float(np.percentile(lat, 95)), "n": len(lat)}
             row["dashboard"] = dash
             row["metrics"] = {k: {"p95": hist_quantile(0.95, before[k], after[k]),
+                                  "p95_bucket": hist_bucket(0.95, before[k], after[k]),
                                   "mean": (after[k]["sum"] - before[k].get("sum", 0)) /
                                   max(1.0, after[k]["count"] - before[k].get("count", 0)),
                                   "count": after[k]["count"] - before[k].get("count", 0)}
@@ -205,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k}_p95_dashboard_over_metrics": dash[k]["p95"] / row["metrics"][k]["p95"]
                 for k in ("ttft", "itl")} | {
                 f"{k}_mean_dashboard_over_bench": dash[k]["mean"] / row[f"{k}_mean"]
-                for k in ("ttft", "itl")}
+                for k in ("ttft", "itl")} | {
+                f"{k}_p95_dashboard_in_metrics_bucket":
+                row["metrics"][k]["p95_bucket"][0] <= dash[k]["p95"]
+                <= row["metrics"][k]["p95_bucket"][1] for k in ("ttft", "itl")}
         for w in (poller, browser):
             if w is not None:
                 w.stop.set()

@@ -158,3 +158,28 @@ def test_recent_latencies_read_back_within_half_a_percent_and_forget_old_seconds
     now[0] += KEEP_S + 2
     r.add(0.5)
     assert r.since(0.0).count == 1 and len(r.seconds) == 1  # older seconds dropped
+
+
+async def test_stats_show_batch_progress_to_its_tenant(tmp_path):
+    from .test_batches import chat_body, wait_done
+
+    tenants = [TenantConfig(name="acme", api_key_sha256=sha("k-acme")),
+               TenantConfig(name="globex", api_key_sha256=sha("k-globex"))]
+    cfg = settings(data_dir=str(tmp_path), tenants=tenants)
+    acme, globex = ({"Authorization": f"Bearer {k}"} for k in ("k-acme", "k-globex"))
+    async with serve(cfg, step_delay_s=0.01) as srv, srv.client() as c:
+        r = await c.post("/v1/batches", headers=acme, json={
+            "requests": [chat_body(i, 30) for i in range(12)], "completeWithin": "24h"})
+        assert r.status_code == 200, r.text
+        bid = r.json()["id"]
+        with trio.fail_after(10):
+            while True:
+                (b,) = (await c.get("/v1/stats", headers=acme)).json()["batches"]
+                if b["completed"]:
+                    break
+                await trio.sleep(0.05)
+        assert b["id"] == bid and b["tenant"] == "acme" and b["total"] == 12
+        assert 0 < b["expires_in_s"] <= 24 * 3600 and b["at_risk"] is False
+        assert (await c.get("/v1/stats", headers=globex)).json()["batches"] == []
+        await wait_done(c, bid, headers=acme)
+        assert (await c.get("/v1/stats", headers=acme)).json()["batches"] == []
