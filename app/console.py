@@ -37,7 +37,9 @@ class _File:
 
 
 def load_static() -> dict[str, _File]:
-    """Every file under app/static (by its path there), pages with hashed file links."""
+    """Every file under app/static (by its path there): the pages with the shared
+    partials (app/static/partials: `<!-- include NAME -->`) in place and hashed file
+    links; the partials themselves are not served."""
     root = resources.files("app") / "static"
     raw: dict[str, bytes] = {}
 
@@ -49,6 +51,14 @@ def load_static() -> dict[str, _File]:
                 raw[prefix + child.name] = child.read_bytes()
 
     walk(root, "")
+    partials = {name[len("partials/"):-len(".html")]: raw.pop(name).decode()
+                for name in [n for n in raw if n.startswith("partials/")]}
+    pages = {name: path for path, name in PAGES.items()}
+    for name in pages:  # the shared head and header, this page's nav link current
+        html = re.sub(r"<!-- include (\w+) -->\n", lambda m: partials[m.group(1)],
+                      raw[name].decode())
+        link = f'<a href="{pages[name]}">'
+        raw[name] = html.replace(link, link[:-1] + ' aria-current="page">', 1).encode()
     digest = {name: hashlib.sha256(body).hexdigest()[:10] for name, body in raw.items()}
     link = re.compile(rb'(["\'])/static/([\w./-]+)\1')
 

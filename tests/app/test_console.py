@@ -38,6 +38,11 @@ async def test_pages_are_served_with_hashed_files_and_cache_headers():
         assert (await c.get("/static/vendor/uPlot.LICENSE.txt")).text.startswith("The MIT")
         assert (await c.get("/static/nope.js")).status_code == 404
         assert (await c.get("/static/index.html")).status_code == 404  # pages live at / only
+        assert (await c.get("/static/partials/header.html")).status_code == 404
+        # one header for both pages, its own link marked current on each
+        assert '<a href="/dashboard" aria-current="page">' in page
+        assert '<a href="/" aria-current="page">' in (await c.get("/")).text
+        assert "<!-- include" not in page
 
 
 async def test_console_off_serves_no_page():
