@@ -133,6 +133,8 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     not one of the server's flights (a drain does not wait for it: it runs again after
     a restart)."""
     req = p.req
+    if batch is None:  # a refusal needs no tokenizing or template rendering
+        _precheck(state.router.candidates(req.model))  # type: ignore[union-attr]
     pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
 
     if batch is None:
@@ -205,14 +207,32 @@ def _stop_token_ids(ids: list[int] | None, pool: Pool) -> tuple[int, ...]:
     return tuple(ids or ())
 
 
+def _precheck(pools: list[Pool]) -> None:
+    """429 at once when every pool that could serve the model would refuse any request."""
+    refusal: Overloaded | None = None
+    for pool in pools:
+        try:
+            return pool.precheck()
+        except EngineDead:
+            continue  # the submit says so, or another pool serves it
+        except Overloaded as e:
+            refusal = e if refusal is None or e.retry_after_s < refusal.retry_after_s else refusal
+    if refusal is not None:
+        raise _refused(refusal)
+
+
+def _refused(e: Overloaded) -> APIError:
+    if e.reason == "draining":
+        return unavailable("The server is shutting down.", "draining")
+    return rate_limited(f"The server is overloaded ({e.reason}); retry later.",
+                        e.retry_after_s, code=e.reason)
+
+
 def _submit(pool: Pool, greq: GenerateRequest) -> tuple[int, object]:
     try:
         return pool.submit(greq)
     except Overloaded as e:
-        if e.reason == "draining":
-            raise unavailable("The server is shutting down.", "draining") from None
-        raise rate_limited(f"The server is overloaded ({e.reason}); retry later.",
-                           e.retry_after_s, code=e.reason) from None
+        raise _refused(e) from None
     except EngineDead as e:
         raise unavailable(f"The engine has stopped: {e}", "engine_dead") from None
     except ValueError as e:  # the engine can never serve it (e.g. bigger than its KV cache)

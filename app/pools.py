@@ -111,6 +111,23 @@ class Pool:
             raise refusal
         raise EngineDead(f"every engine of pool {self.name!r} has stopped")
 
+    def precheck(self) -> None:
+        """Raise `Overloaded` (the soonest Retry-After) when every live replica would refuse
+        even a one-token request now; `EngineDead` when none is alive."""
+        refusal: Overloaded | None = None
+        for engine in self.engines:
+            try:
+                engine.precheck()
+                return
+            except EngineDead:
+                continue
+            except Overloaded as e:
+                if refusal is None or e.retry_after_s < refusal.retry_after_s:
+                    refusal = e
+        if refusal is not None:
+            raise refusal
+        raise EngineDead(f"every engine of pool {self.name!r} has stopped")
+
     def finish(self, replica: int, request_id: str) -> None:
         """The request is over for the client (done, failed or abandoned): sync, idempotent
         per request in the engine, called exactly once per submit by the stream's cleanup."""

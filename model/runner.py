@@ -129,6 +129,10 @@ class ModelRunner:
         self._copy: Callable | None = None
         self._lock = threading.Lock()  # the pool and the backend's state: one user at a time
         self._rng = np.random.default_rng()
+        # (decode rows, prefill tokens, seconds) of each shape's timed warm-up run, for the
+        # scheduler's step-cost estimates before any request ran (appended by the thread
+        # that compiles; the engine reads what is there).
+        self.warmup_times: list[tuple[int, int, float]] = []
         self.programs = Programs(self.buckets(), self._build)
 
     @classmethod
@@ -270,6 +274,16 @@ class ModelRunner:
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
                     logits, *self._sampling_args(kind, rows, [])))
+        # Once more, timed (the first run's extra cost is gone): the step-cost estimate
+        # admission predicts from until real steps of this shape are measured.
+        with self._lock:
+            t0 = time.perf_counter()
+            batch = self._batch(layout, [])
+            self.kv, logits = step(self.params, self.kv, batch, self.attention.state,
+                                   self._lora_arrays)
+            np.asarray(self._samplers[("greedy", rows)](
+                logits, *self._sampling_args("greedy", rows, [])))
+            self.warmup_times.append((b.dec_rows, b.pf_tokens, time.perf_counter() - t0))
         self._steps[b] = step
 
     def _dummy(self, b: Bucket) -> StepLayout:

@@ -26,6 +26,7 @@ queued sequence into the running batch when its pages fit: that comes later, per
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Callable, Protocol
 
@@ -34,6 +35,10 @@ from config.settings import SchedulerConfig
 from .api import GenerateRequest, Overloaded
 
 _RATE_WINDOW_S = 60.0  # completions older than this do not count toward the rate
+# What an answer is expected to cost before any has finished here: "a few hundred tokens"
+# (the completed ones' running average replaces it).
+_PRIOR_OUTPUT_TOKENS = 256.0
+_MAX_RETRY_S = 60.0
 
 
 class SchedulerQueries(Protocol):
@@ -79,12 +84,16 @@ class Admission:
         self.max_context = max_context  # the runner's: prompt + generated tokens
         self.finish_times: deque[float] = deque(maxlen=256)  # completions, for the rate
         self.rejections: dict[str, int] = {}  # refusals by reason (Overloaded.reason, "shed")
+        self.output_tokens = _PRIOR_OUTPUT_TOKENS  # running average of completed answers
+        self._last_promise = -float("inf")  # the latest time a refused client was told
 
     # -- what the engine reports -------------------------------------------------------
-    def completed(self, at: float) -> None:
+    def completed(self, at: float, output_tokens: int | None = None) -> None:
         """A request finished normally (stop or length); aborts and errors say nothing
         about how fast the replica serves."""
         self.finish_times.append(at)
+        if output_tokens:
+            self.output_tokens += 0.1 * (output_tokens - self.output_tokens)
 
     def count(self, reason: str) -> None:
         """Count a refusal: at the door, a request too long to ever fit, or a shed one."""
@@ -108,11 +117,20 @@ class Admission:
             waiting -= sched.batch_waiting
             tokens -= sched.batch_waiting_tokens
         if waiting >= cfg.max_waiting:
-            raise self.refuse("queue_full", self.retry_after())
+            raise self.refuse("queue_full", self.ticket(self.retry_after()))
         if tokens + prompt_tokens > cfg.max_waiting_tokens:
-            raise self.refuse("queue_tokens", self.retry_after())
+            raise self.refuse("queue_tokens", self.ticket(self.retry_after()))
         if not req.batch:
             self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
+
+    def precheck(self, *, step_ends_at: float | None = None) -> None:
+        """Raise `Overloaded` if an interactive request of one token would be refused now
+        (the queue is full, or the wait alone misses the TTFT target): the server can
+        answer 429 before tokenizing or templating anything."""
+        sched, cfg = self.scheduler, self.config
+        if sched.num_waiting - sched.batch_waiting >= cfg.max_waiting:
+            raise self.refuse("queue_full", self.ticket(self.retry_after()))
+        self.check_ttft(1, step_ends_at=step_ends_at)
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise ValueError unless the request could be served here, however idle."""
@@ -150,9 +168,11 @@ class Admission:
                + sched.step_estimate(sched.num_running - sched.batch_running, 0))
         ttft = wait + own if own <= target else wait
         if ttft > target:
-            raise self.refuse("queue_wait", wait, f"expected time to first token "
-                                                  f"{ttft:.1f}s exceeds {target:g}s "
-                                                  f"(queue wait {wait:.1f}s); retry later")
+            retry = self.ticket(self._drain_time(ttft - target))
+            raise self.refuse("queue_wait", retry, f"expected time to first token "
+                                                   f"{ttft:.1f}s exceeds {target:g}s "
+                                                   f"(queue wait {wait:.1f}s); retry in "
+                                                   f"{retry:.1f}s")
 
     # -- the estimates -----------------------------------------------------------------
     def expected_wait(self, *, step_ends_at: float | None = None) -> float | None:
@@ -166,12 +186,10 @@ class Admission:
         None when there is no estimate yet (the count bound still applies)."""
         sched = self.scheduler
         wait: float | None = None
-        running = sched.num_running - sched.batch_running
-        ahead = (sched.num_waiting - sched.batch_waiting + 1
-                 - max(0, sched.max_running - running))
+        ahead = self._slots_ahead()
         if ahead <= 0:
             wait = 0.0
-        elif (rate := self.completion_rate()) is not None:
+        elif (rate := self.service_rate()) is not None:
             wait = ahead / rate
         if sched.prefill_token_s:
             wait = (wait or 0.0) + self.prefill_estimate(
@@ -179,6 +197,22 @@ class Admission:
         if wait is not None and wait > 0.0 and step_ends_at is not None:
             wait += max(0.0, step_ends_at - self.clock())  # the step in flight
         return wait
+
+    def _slots_ahead(self) -> int:
+        """Interactive requests that must finish before a newcomer gets a running slot."""
+        sched = self.scheduler
+        running = sched.num_running - sched.batch_running
+        return (sched.num_waiting - sched.batch_waiting + 1
+                - max(0, sched.max_running - running))
+
+    def _drain_time(self, excess_s: float) -> float:
+        """Seconds until `excess_s` of the predicted wait is gone: prefill work ahead drains
+        as it runs, but a wait for a running slot shrinks only when a request completes,
+        so that part is rounded up to whole completions at the service rate."""
+        rate = self.service_rate()
+        if self._slots_ahead() > 0 and rate:
+            return max(excess_s, math.ceil(excess_s * rate - 1e-9) / rate)
+        return excess_s
 
     def prefill_estimate(self, tokens: float) -> float:
         """Seconds to prefill `tokens` prompt tokens, discounted by the prefix cache's
@@ -198,11 +232,39 @@ class Admission:
             return None
         return len(times) / (now - times[0])
 
-    def retry_after(self) -> float:
-        """Seconds until the queue has likely drained: waiting requests over the recent
-        completion rate (1 s when nothing completed recently), clamped to [0.1, 60]."""
+    def service_rate(self) -> float | None:
+        """Requests this replica completes per second: measured over the last minute,
+        else predicted from the step costs (warm-up measures every shape): `max_running`
+        answers of the average length decoding at the step time of a full batch. None
+        when neither is known (the queue bounds still apply)."""
         rate = self.completion_rate()
+        if rate is not None:
+            return rate
+        sched = self.scheduler
+        step = sched.step_estimate(sched.max_running, 0)
+        if step <= 0:
+            return None
+        return sched.max_running / (self.output_tokens * step)
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has likely drained: waiting requests over the service
+        rate (1 s when it is not known), clamped to [0.1, 60]."""
+        rate = self.service_rate()
         if rate is None:
             return 1.0
         sched = self.scheduler
-        return min(60.0, max(0.1, (sched.num_waiting - sched.batch_waiting + 1) / rate))
+        return min(_MAX_RETRY_S, max(0.1, (sched.num_waiting - sched.batch_waiting + 1) / rate))
+
+    def ticket(self, wait_s: float) -> float:
+        """The Retry-After for one refused client: no sooner than `wait_s`, and one service
+        interval after the client refused before it. A burst told to come back does not
+        come back as one burst (and get refused again): a client that honours the answer
+        finds room on its first retry, as far as the prediction holds. At most 60 s."""
+        now = self.clock()
+        rate = self.service_rate()
+        at = now + max(0.1, wait_s)
+        if rate:
+            at = max(at, self._last_promise + 1.0 / rate)
+        at = min(at, now + _MAX_RETRY_S)
+        self._last_promise = at
+        return at - now

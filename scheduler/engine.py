@@ -92,11 +92,27 @@ class Engine:
         self._draining = False
         self._failures = 0
         self._started_at = clock()
+        self._seeded = 0  # runner.warmup_times already fed to the step-cost model
 
     # -- the public face ---------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self._alive
+
+    def precheck(self) -> None:
+        """Raise `Overloaded` (or `EngineDead`) if even the shortest request would be
+        refused now: the server answers 429 before tokenizing anything."""
+        if not self._alive:
+            raise EngineDead(f"engine {self.name!r} is dead")
+        self._seed_costs()
+        self.admission.precheck(step_ends_at=self._step_ends_at)
+
+    def _seed_costs(self) -> None:
+        """The runner's timed warm-up runs, as they come, into the step-cost model."""
+        times = self.runner.warmup_times
+        while self._seeded < len(times):
+            self.scheduler.cost.seed(*times[self._seeded])
+            self._seeded += 1
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
         """Queue a request; never blocks. Raises `Overloaded` (draining, or refused by
@@ -108,6 +124,7 @@ class Engine:
             raise self.admission.refuse("draining", 0.0, "server is draining; retry elsewhere")
         if req.adapter is not None and not self.runner.adapter_slots:
             raise ValueError(f"adapter {req.adapter!r}: this model has no adapter slots")
+        self._seed_costs()
         self.admission.check(req, step_ends_at=self._step_ends_at)
 
         now = self.clock()
@@ -171,6 +188,7 @@ class Engine:
         task_status.started()
         try:
             while self._alive:
+                self._seed_costs()
                 self._end_deferred_aborts()
                 self._shed_expired()
                 if self._undelivered:
@@ -274,7 +292,7 @@ class Engine:
             if reason == "length" and out.close():
                 reason = seq.finish_reason = "stop"
             if reason in ("stop", "length"):
-                self.admission.completed(now)
+                self.admission.completed(now, seq.num_generated)
             out.final = seq.finish_event()
         else:
             out.final = error

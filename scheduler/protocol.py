@@ -130,6 +130,9 @@ class Runner(Protocol):
     max_context: int  # positions the model supports
     eos_token_ids: frozenset[int]
     adapter_slots: int  # LoRA adapters it can hold at once (0: none)
+    # (decode rows, prefill tokens, seconds) of its compiled shapes' timed warm-up runs,
+    # appended as they compile: the step-cost model's estimates before any real step.
+    warmup_times: list[tuple[int, int, float]]
 
     @property
     def limits(self) -> StepLimits: ...

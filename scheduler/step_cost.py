@@ -27,6 +27,10 @@ class StepCostModel:
         self.min_prefill_tokens = min_prefill_tokens
         self._decode_s: dict[int, float] = {}  # decoding sequences -> decode-only step time
         self.prefill_token_s: float | None = None  # marginal seconds per prefill token
+        # Figures from the runner's warm-up (every compiled shape run once, timed): used
+        # until the first real step of their kind replaces them outright.
+        self._seeded: set[int] = set()
+        self._prefill_seeded = False
 
     def decode_time(self, num_decode: int) -> float | None:
         if num_decode in self._decode_s:
@@ -41,6 +45,9 @@ class StepCostModel:
         if prefill_tokens == 0:
             if num_decode:
                 old = self._decode_s.get(num_decode)
+                if num_decode in self._seeded:
+                    self._seeded.discard(num_decode)
+                    old = None
                 self._decode_s[num_decode] = seconds if old is None else (
                     old + _ALPHA * (seconds - old))
             return
@@ -48,8 +55,29 @@ class StepCostModel:
         if base is None:
             return
         per_token = max(seconds - base, 0.0) / prefill_tokens
-        old = self.prefill_token_s
+        old = None if self._prefill_seeded else self.prefill_token_s
+        self._prefill_seeded = False
         self.prefill_token_s = per_token if old is None else old + _ALPHA * (per_token - old)
+
+    def seed(self, num_decode: int, prefill_tokens: int, seconds: float) -> None:
+        """A warm-up measurement of one compiled shape (`num_decode` decode rows beside
+        `prefill_tokens` prompt tokens): an estimate from the first second, before any
+        request ran, so admission can predict the first burst like any later one. A real
+        step of the same kind replaces it; a shape already measured for real ignores it."""
+        if prefill_tokens == 0:
+            if num_decode and num_decode not in self._decode_s:
+                self._decode_s[num_decode] = seconds
+                self._seeded.add(num_decode)
+            return
+        if self.prefill_token_s is not None and not self._prefill_seeded:
+            return
+        base = self.decode_time(num_decode) if num_decode else 0.0
+        if base is None:
+            return
+        per_token = max(seconds - base, 0.0) / prefill_tokens
+        old = self.prefill_token_s  # several shapes seed it: their running average
+        self.prefill_token_s = per_token if old is None else old + _ALPHA * (per_token - old)
+        self._prefill_seeded = True
 
     def estimate(self, num_decode: int, prefill_tokens: int) -> float:
         """Expected seconds of a step with these decodes and prefill tokens (0 for the

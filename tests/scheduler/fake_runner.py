@@ -95,6 +95,7 @@ class FakeRunner:
         self.fail_next = 0  # raise in the next N steps
         self.on_step: Callable[[StepPlan], None] | None = None  # runs in the worker thread
         self.adapter_slots = adapter_slots
+        self.warmup_times: list[tuple[int, int, float]] = []  # tests may fill it
         self.slots: list[str | None] = [None] * adapter_slots  # what each slot holds
         self.dropped: list[str] = []  # adapters the engine said nothing needs any more
         self.registered: set[str] | None = None  # None: any name loads (scheduler tests)

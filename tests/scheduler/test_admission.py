@@ -72,7 +72,9 @@ def test_no_estimate_yet_admits():
 def test_own_step_beside_the_running_decodes_tips_the_prediction_over():
     # Completion rate 5 in 10 s; 2 ahead (1 waiting + itself, no free slot): 4 s, plus
     # 10 waiting tokens at 10 ms: 4.1 s. Its own step: 60 tokens (0.6 s) beside the
-    # running decodes (0.5 s) gives 5.2 s > 5 s. Retry-After is the wait, not the TTFT.
+    # running decodes (0.5 s) gives 5.2 s > 5 s. Retry-After: until enough has finished
+    # for the target to hold (0.2 s too many, and a slot frees only per completion: one
+    # completion at 0.5/s, 2 s).
     adm, sched, clock = door(ttft_target_s=5.0, max_running=2, num_running=2, num_waiting=1,
                              waiting_tokens=10, prefill_token_s=0.01, decode_step_s=0.5)
     completions(adm, clock, 5, every_s=2.0)
@@ -80,7 +82,7 @@ def test_own_step_beside_the_running_decodes_tips_the_prediction_over():
     assert adm.expected_wait() == pytest.approx(4.1)
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(60)
-    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(4.1)
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(2.0)
     assert "5.2s exceeds 5s (queue wait 4.1s)" in str(e.value)
     assert adm.rejections == {"queue_wait": 1}
     # Half the prompt tokens served by the prefix cache: 4.05 s + 0.3 s + 0.5 s < 5 s.
@@ -97,7 +99,9 @@ def test_a_prompt_too_long_for_the_target_alone_is_judged_on_the_wait():
     sched.waiting_tokens = 110  # 1.1 s of prefill ahead: now the long one waits too long
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(500)
-    assert e.value.retry_after_s == pytest.approx(1.1)
+    # 0.1 s too long, and prefill drains as it runs: back in 0.1 s (after the short
+    # one refused above, whose turn it does not take: no service rate to space them by)
+    assert e.value.retry_after_s == pytest.approx(0.1)
 
 
 def test_what_is_left_of_the_step_in_flight_counts():
@@ -148,3 +152,62 @@ def test_the_real_scheduler_answers_the_queries():
     assert sched.prefix_hit_rate == pytest.approx(12 / (13 + 7 + 13))
     adm = Admission(sched, SchedulerConfig(), sim.clock, max_context=runner.max_context)
     adm.check_ttft(100)  # nothing ahead
+
+
+def test_the_first_burst_is_predicted_from_warm_up_not_admitted_blind():
+    # Nothing finished yet, but warm-up timed a full decode step (100 ms): 4 answers of
+    # the prior 256 tokens every 25.6 s, a slot every 6.4 s. Before, this was admitted
+    # (no rate) and shed 30 s later.
+    adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4,
+                             decode_step_s=0.1)
+    assert adm.completion_rate() is None
+    assert adm.service_rate() == pytest.approx(4 / 25.6)
+    assert adm.expected_wait() == pytest.approx(6.4)
+    with pytest.raises(Overloaded) as e:
+        adm.check_ttft(20)
+    assert e.value.reason == "queue_wait"
+    # Answers measured shorter than the prior make the prediction shorter.
+    for _ in range(40):
+        adm.completed(clock(), 16)
+    assert adm.output_tokens < 20
+    clock.advance(120)  # (and no completion rate from those: they are too old)
+    assert adm.expected_wait() == pytest.approx(adm.output_tokens * 0.1 / 4)
+    sched.decode_step_s = 0.0  # nothing measured at all: no guess, the bounds only
+    assert adm.expected_wait() is None
+    adm.check_ttft(20)
+
+
+def test_a_refused_burst_is_told_to_come_back_one_service_interval_apart():
+    adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4,
+                             decode_step_s=0.1)
+    gap = 1 / adm.service_rate()  # 6.4 s
+    retries = []
+    for _ in range(12):
+        with pytest.raises(Overloaded) as e:
+            adm.check_ttft(20)
+        retries.append(e.value.retry_after_s)
+    # The first is told to wait for one completion; each next one a slot later, up to 60 s.
+    assert retries[0] == pytest.approx(gap)
+    assert all(b - a == pytest.approx(gap) for a, b in zip(retries, retries[1:9]))
+    assert retries[-1] == 60.0
+    # Time passes: promises in the past do not push a newcomer's further out.
+    clock.advance(200)
+    with pytest.raises(Overloaded) as e:
+        adm.check_ttft(20)
+    assert e.value.retry_after_s == pytest.approx(gap)
+
+
+def test_precheck_refuses_before_the_prompt_is_known():
+    adm, sched, _ = door(ttft_target_s=1.0, max_running=4, num_running=4)
+    adm.precheck()  # nothing known: nothing to refuse on
+    sched.decode_step_s = 0.1
+    with pytest.raises(Overloaded) as e:
+        adm.precheck()  # a slot is 6.4 s away whatever the prompt
+    assert e.value.reason == "queue_wait"
+    sched.num_running = 2
+    adm.precheck()  # free slots: the prompt decides, at the door proper
+    sched.num_waiting = SchedulerConfig().max_waiting
+    with pytest.raises(Overloaded) as e:
+        adm.precheck()
+    assert e.value.reason == "queue_full"
+    assert adm.rejections == {"queue_wait": 1, "queue_full": 1}

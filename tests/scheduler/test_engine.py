@@ -361,7 +361,8 @@ async def test_logprobs_and_stats(nursery):
 async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
     """Under overload the queue does not grow into requests that would be served late:
     once completions give a rate, a submit whose wait would exceed ttft_target_s is
-    refused at once (429 upstream) with that wait as Retry-After."""
+    refused at once (429 upstream); Retry-After is when enough will have finished for the
+    target to hold (one completion, 2 s at this rate)."""
     clock = FakeClock()
     eng = Engine(FakeRunner(limits=LIMITS), FakeDetokenizer(),
                  SchedulerConfig(max_running=1, ttft_target_s=5.0), clock=clock)
@@ -373,7 +374,7 @@ async def test_expected_queue_wait_past_the_bound_is_refused_at_the_door():
     eng.submit(GenerateRequest(prompt_ids=prompt(4, 3), max_tokens=4))  # 2 ahead: ~4 s
     with pytest.raises(Overloaded) as e:
         eng.submit(GenerateRequest(prompt_ids=prompt(4, 4), max_tokens=4))  # ~6 s
-    assert e.value.reason == "queue_wait" and e.value.retry_after_s > 5.0
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(2.0)
     batch = eng.submit(GenerateRequest(prompt_ids=prompt(4, 5), max_tokens=4, batch=True))
     assert batch.request_id  # batch jobs wait for idle capacity instead
 
@@ -391,7 +392,8 @@ async def test_prefill_work_ahead_counts_toward_the_expected_wait():
     with pytest.raises(Overloaded) as e:  # 0.95 s of prefill ahead, 0.1 s its own
         eng.submit(GenerateRequest(prompt_ids=prompt(10, 4), max_tokens=4))
     assert e.value.reason == "queue_wait"
-    assert e.value.retry_after_s == pytest.approx(0.95)
+    # 1.05 s predicted: back once 0.05 s of that prefill has run (0.1 s at the least)
+    assert e.value.retry_after_s == pytest.approx(0.1)
     assert eng.stats().waiting == 3
 
 
@@ -405,10 +407,11 @@ async def test_admission_predicts_time_to_first_token_own_prefill_included():
     eng.submit(GenerateRequest(prompt_ids=prompt(50), max_tokens=4))  # idle: admitted
     # 0.5 s of prefill ahead + 0.4 s of its own: 0.9 s, admitted.
     eng.submit(GenerateRequest(prompt_ids=prompt(40, 2), max_tokens=4))
-    # 0.9 s ahead + 0.2 s of its own: 1.1 s, refused; Retry-After is the wait.
+    # 0.9 s ahead + 0.2 s of its own: 1.1 s, refused; Retry-After: once 0.1 s of the
+    # prefill ahead has run.
     with pytest.raises(Overloaded) as e:
         eng.submit(GenerateRequest(prompt_ids=prompt(20, 3), max_tokens=4))
-    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(0.9)
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(0.1)
     # 3 s of its own (it can never meet 1 s): judged on the 0.9 s wait, admitted.
     eng.submit(GenerateRequest(prompt_ids=prompt(300, 4), max_tokens=4))
     assert eng.stats().waiting == 3
@@ -427,3 +430,21 @@ async def test_submit_counts_what_is_left_of_the_step_in_flight():
         eng.submit(GenerateRequest(prompt_ids=prompt(65, 2), max_tokens=4))
     eng._step_ends_at = None  # without the step in flight it fits
     eng.submit(GenerateRequest(prompt_ids=prompt(65, 3), max_tokens=4))
+
+
+async def test_warm_up_times_make_the_first_burst_predictable():
+    """The runner's timed warm-up runs reach the step-cost model before any request ran:
+    a burst into a fresh engine is admitted up to what it can start, then refused at
+    once, not queued to be shed later."""
+    runner = FakeRunner(limits=LIMITS, num_pages=1024)
+    eng = Engine(runner, FakeDetokenizer(), SchedulerConfig(max_running=2, ttft_target_s=1.0))
+    runner.warmup_times.append((2, 0, 0.1))  # compiled and timed in the background
+    assert eng.scheduler.cost.decode_time(2) is None
+    eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=4))
+    eng.submit(GenerateRequest(prompt_ids=prompt(4, 2), max_tokens=4))
+    assert eng.scheduler.cost.decode_time(2) == 0.1
+    with pytest.raises(Overloaded) as e:
+        eng.submit(GenerateRequest(prompt_ids=prompt(4, 3), max_tokens=4))
+    assert e.value.reason == "queue_wait" and e.value.retry_after_s > 1.0
+    with pytest.raises(Overloaded):
+        eng.precheck()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.step_cost import StepCostModel
 
 
@@ -79,3 +81,22 @@ def test_policy_caps_long_prompts_beside_decodes_but_prefills_short_ones_whole()
     first = [b for b in sim.batches if any(s is short for s in b.seqs)][0]
     chunk = [c for s, c in zip(first.seqs, first.plan.chunks) if s is short][0]
     assert len(chunk.token_ids) == 30  # the short prompt went in whole
+
+
+def test_warm_up_figures_stand_in_until_a_real_step_replaces_them():
+    m = StepCostModel(itl_target_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
+    m.seed(16, 0, 0.10)  # warm-up: a decode step of 16 rows
+    m.seed(16, 256, 0.612)  # 16 rows beside 256 prompt tokens: 2 ms a token
+    m.seed(0, 128, 0.30)  # ... another shape's figure joins the running average
+    assert m.decode_time(8) == 0.10 and m.estimate(16, 0) == 0.10
+    assert m.prefill_token_s == pytest.approx(0.002 + 0.2 * (0.30 / 128 - 0.002))
+    m.observe(16, 0, 0.14)  # the first real step of the kind replaces the seed outright
+    assert m.decode_time(16) == pytest.approx(0.14)
+    m.observe(16, 0, 0.24)  # ... and later ones average as before
+    assert m.decode_time(16) == pytest.approx(0.14 + 0.2 * 0.10)
+    m.seed(16, 0, 0.01)  # a seed never overrides what was measured for real
+    assert m.decode_time(16) == pytest.approx(0.16)
+    m.observe(16, 64, 0.16 + 64 * 0.003)
+    assert m.prefill_token_s == pytest.approx(0.003)
+    m.seed(0, 64, 64 * 0.0001)
+    assert m.prefill_token_s == pytest.approx(0.003)
