@@ -134,8 +134,14 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     a restart)."""
     req = p.req
     if batch is None:  # a refusal needs no tokenizing or template rendering
-        _precheck(state.router.candidates(req.model))  # type: ignore[union-attr]
-    pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
+        candidates = state.router.candidates(req.model)  # type: ignore[union-attr]
+        _precheck(candidates)
+        for c in candidates:  # the next ones' precheck counts this one as ahead
+            c.admitting += 1
+    try:
+        pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
+    finally:  # tokenized (or failed): from here the engine's own queue counts it
+        _admitted(candidates if batch is None else [])
 
     if batch is None:
         if len(state.flights) >= state.settings.server.max_streams:
@@ -205,6 +211,12 @@ def _stop_token_ids(ids: list[int] | None, pool: Pool) -> tuple[int, ...]:
         raise bad_request(f"stop_token_ids must be token ids in [0, {pool.vocab_size}); got "
                           f"{bad[:5]}.", param="stop_token_ids", code="invalid_token_id")
     return tuple(ids or ())
+
+
+def _admitted(pools: list[Pool]) -> None:
+    """A request past the precheck is tokenized (or failed to be)."""
+    for p in pools:
+        p.admitting -= 1
 
 
 def _precheck(pools: list[Pool]) -> None:

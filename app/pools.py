@@ -49,6 +49,7 @@ class Pool:
         self.max_context = max_context
         self.vocab_size = vocab_size
         self._in_flight = [0] * len(engines)
+        self.admitting = 0  # requests past the precheck, being tokenized (app/completions.py)
         self.adapters = PoolAdapters(self, adapter_reader)  # LoRA adapters (app/adapters.py)
 
     @property
@@ -113,11 +114,14 @@ class Pool:
 
     def precheck(self) -> None:
         """Raise `Overloaded` (the soonest Retry-After) when every live replica would refuse
-        even a one-token request now; `EngineDead` when none is alive."""
+        even a one-token request now, counting those already past this check and still
+        being tokenized (`admitting`, spread over the replicas); `EngineDead` when none is
+        alive."""
         refusal: Overloaded | None = None
+        pending = -(-self.admitting // max(1, len(self.engines)))
         for engine in self.engines:
             try:
-                engine.precheck()
+                engine.precheck(pending)
                 return
             except EngineDead:
                 continue

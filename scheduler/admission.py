@@ -123,14 +123,15 @@ class Admission:
         if not req.batch:
             self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
 
-    def precheck(self, *, step_ends_at: float | None = None) -> None:
+    def precheck(self, *, step_ends_at: float | None = None, pending: int = 0) -> None:
         """Raise `Overloaded` if an interactive request of one token would be refused now
         (the queue is full, or the wait alone misses the TTFT target): the server can
-        answer 429 before tokenizing or templating anything."""
+        answer 429 before tokenizing or templating anything. `pending`: requests past
+        this check and not yet submitted (still being tokenized), which will be ahead."""
         sched, cfg = self.scheduler, self.config
-        if sched.num_waiting - sched.batch_waiting >= cfg.max_waiting:
+        if sched.num_waiting - sched.batch_waiting + pending >= cfg.max_waiting:
             raise self.refuse("queue_full", self.ticket(self.retry_after()))
-        self.check_ttft(1, step_ends_at=step_ends_at)
+        self.check_ttft(1, step_ends_at=step_ends_at, pending=pending)
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise ValueError unless the request could be served here, however idle."""
@@ -150,7 +151,8 @@ class Admission:
             raise ValueError(f"prompt + max_tokens ({n + req.max_tokens} tokens) does not fit "
                              f"in this replica's KV cache ({num_pages} pages of {page_size})")
 
-    def check_ttft(self, prompt_tokens: int, *, step_ends_at: float | None = None) -> None:
+    def check_ttft(self, prompt_tokens: int, *, step_ends_at: float | None = None,
+                   pending: int = 0) -> None:
         """Refuse a request whose first token would likely come later than
         `ttft_target_s`: the expected wait for the work ahead of it, plus its own step
         (its prompt, less the cache's recent hit rate, at the measured cost of a prefill
@@ -160,7 +162,7 @@ class Admission:
         target = self.config.ttft_target_s
         if target <= 0:
             return  # admission by predicted TTFT is off
-        wait = self.expected_wait(step_ends_at=step_ends_at)
+        wait = self.expected_wait(step_ends_at=step_ends_at, pending=pending)
         if wait is None or wait <= 0.0:
             return
         sched = self.scheduler
@@ -168,14 +170,15 @@ class Admission:
                + sched.step_estimate(sched.num_running - sched.batch_running, 0))
         ttft = wait + own if own <= target else wait
         if ttft > target:
-            retry = self.ticket(self._drain_time(ttft - target))
+            retry = self.ticket(self._drain_time(ttft - target, pending))
             raise self.refuse("queue_wait", retry, f"expected time to first token "
                                                    f"{ttft:.1f}s exceeds {target:g}s "
                                                    f"(queue wait {wait:.1f}s); retry in "
                                                    f"{retry:.1f}s")
 
     # -- the estimates -----------------------------------------------------------------
-    def expected_wait(self, *, step_ends_at: float | None = None) -> float | None:
+    def expected_wait(self, *, step_ends_at: float | None = None,
+                      pending: int = 0) -> float | None:
         """Seconds before a new request would likely start its prefill, counting the
         work ahead of it: requests waiting beyond the free running slots (over the recent
         completion rate), the tokens waiting ahead of it (discounted by the prefix-cache
@@ -186,7 +189,7 @@ class Admission:
         None when there is no estimate yet (the count bound still applies)."""
         sched = self.scheduler
         wait: float | None = None
-        ahead = self._slots_ahead()
+        ahead = self._slots_ahead() + pending
         if ahead <= 0:
             wait = 0.0
         elif (rate := self.service_rate()) is not None:
@@ -205,12 +208,12 @@ class Admission:
         return (sched.num_waiting - sched.batch_waiting + 1
                 - max(0, sched.max_running - running))
 
-    def _drain_time(self, excess_s: float) -> float:
+    def _drain_time(self, excess_s: float, pending: int = 0) -> float:
         """Seconds until `excess_s` of the predicted wait is gone: prefill work ahead drains
         as it runs, but a wait for a running slot shrinks only when a request completes,
         so that part is rounded up to whole completions at the service rate."""
         rate = self.service_rate()
-        if self._slots_ahead() > 0 and rate:
+        if self._slots_ahead() + pending > 0 and rate:
             return max(excess_s, math.ceil(excess_s * rate - 1e-9) / rate)
         return excess_s
 

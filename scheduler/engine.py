@@ -99,13 +99,14 @@ class Engine:
     def alive(self) -> bool:
         return self._alive
 
-    def precheck(self) -> None:
+    def precheck(self, pending: int = 0) -> None:
         """Raise `Overloaded` (or `EngineDead`) if even the shortest request would be
-        refused now: the server answers 429 before tokenizing anything."""
+        refused now, `pending` more being tokenized: the server answers 429 before
+        tokenizing anything."""
         if not self._alive:
             raise EngineDead(f"engine {self.name!r} is dead")
         self._seed_costs()
-        self.admission.precheck(step_ends_at=self._step_ends_at)
+        self.admission.precheck(step_ends_at=self._step_ends_at, pending=pending)
 
     def _seed_costs(self) -> None:
         """The runner's timed warm-up runs, as they come, into the step-cost model."""

@@ -103,6 +103,7 @@ async def test_flooded_small_queue_gets_fast_429s_and_admitted_complete():
         assert errors[0].response.headers["retry-after-ms"]
         await srv.wait_idle(30)
         assert srv.pages_in_use() == 0
+        assert srv.pool.admitting == 0  # every request past the precheck was counted out
 
     assert statuses.count(200) >= 6 and refusals, statuses
     for _, r in refusals:

@@ -211,3 +211,17 @@ def test_precheck_refuses_before_the_prompt_is_known():
         adm.precheck()
     assert e.value.reason == "queue_full"
     assert adm.rejections == {"queue_wait": 1, "queue_full": 1}
+
+
+def test_requests_still_being_tokenized_count_as_ahead():
+    # 4 free slots, nothing queued yet, but 4 requests passed the precheck and are being
+    # tokenized: a fifth has a slot to wait for.
+    adm, sched, _ = door(ttft_target_s=1.0, max_running=4, decode_step_s=0.1)
+    adm.precheck(pending=3)
+    with pytest.raises(Overloaded) as e:
+        adm.precheck(pending=4)
+    assert e.value.reason == "queue_wait"
+    sched.num_waiting = SchedulerConfig().max_waiting - 2
+    with pytest.raises(Overloaded) as e:
+        adm.precheck(pending=2)
+    assert e.value.reason == "queue_full"
