@@ -23,7 +23,10 @@ from collections import Counter
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily, Metric)
+
+from scheduler.step_log import PREDICTION_BUCKETS
 
 from .stats import LiveStats, Observer
 
@@ -111,6 +114,13 @@ class _EngineCollector:
                          "Tokens computed in steps, bucket padding included.")
         warming = gauge("warmup_remaining_shapes",
                         "Step shapes still compiling in the background (0: warm-up done).")
+        ttft_target = gauge("ttft_target_seconds",
+                            "The pool's TTFT target admission predicts against (0: off).")
+        itl_target = gauge("itl_target_seconds",
+                           "The pool's inter-token latency target (0: off).")
+        prediction = HistogramMetricFamily(
+            "sluice:step_time_prediction_ratio", "Measured / predicted step time (the "
+            "step-cost model admission and the prefill budget plan with).", labels=LABELS)
 
         # vLLM's adapter gauge: the value is the time of the scrape, the labels say which
         # adapters run and wait (comma-separated) and how many slots there are.
@@ -149,6 +159,9 @@ class _EngineCollector:
             real.add_metric(lv, sum(s.real_tokens for s in stats))
             padded.add_metric(lv, sum(s.padded_tokens for s in stats))
             warming.add_metric(lv, pool.warmup_remaining)
+            ttft_target.add_metric(lv, pool.config.scheduler.ttft_target_s)
+            itl_target.add_metric(lv, pool.config.scheduler.itl_target_s)
+            _prediction(prediction, lv, [s.step_prediction for s in stats])
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
@@ -161,8 +174,25 @@ class _EngineCollector:
         if self.metrics.batches is not None:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
-                    hits, preempt, prompt, gen, rejected, real, padded, warming, lora_info,
-                    lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
+                    hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
+                    itl_target, prediction, lora_info, lora_requests, lora_tokens, lora_loads,
+                    lora_swaps, lora_loaded)
+
+
+def _prediction(family: HistogramMetricFamily, lv: list[str],
+                per_replica: list[tuple[list[int], float]]) -> None:
+    """One pool's measured/predicted step-time histogram, summed over its replicas."""
+    counts = [0] * len(PREDICTION_BUCKETS)
+    total = 0.0
+    for c, s in per_replica:
+        for i, n in enumerate(c):
+            counts[i] += n
+        total += s
+    cumulative, buckets = 0, []
+    for le, n in zip(PREDICTION_BUCKETS, counts):
+        cumulative += n
+        buckets.append(("+Inf" if le == float("inf") else str(le), cumulative))
+    family.add_metric(lv, buckets, total)
 
 
 def _lora(stats: list, lv: list[str], max_loras: int, loaded: int, families: tuple) -> None:

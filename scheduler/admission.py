@@ -86,6 +86,7 @@ class Admission:
         self.rejections: dict[str, int] = {}  # refusals by reason (Overloaded.reason, "shed")
         self.output_tokens = _PRIOR_OUTPUT_TOKENS  # running average of completed answers
         self._last_promise = -float("inf")  # the latest time a refused client was told
+        self._answer_hint: int | None = None  # see `service_rate`
 
     # -- what the engine reports -------------------------------------------------------
     def completed(self, at: float, output_tokens: int | None = None) -> None:
@@ -121,7 +122,13 @@ class Admission:
         if tokens + prompt_tokens > cfg.max_waiting_tokens:
             raise self.refuse("queue_tokens", self.ticket(self.retry_after()))
         if not req.batch:
-            self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
+            # Before any completion, an answer is expected to cost no more than this one's
+            # max_tokens (a burst of similar requests), nor more than the prior.
+            self._answer_hint = req.max_tokens
+            try:
+                self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
+            finally:
+                self._answer_hint = None
 
     def precheck(self, *, step_ends_at: float | None = None, pending: int = 0) -> None:
         """Raise `Overloaded` if an interactive request of one token would be refused now
@@ -131,7 +138,13 @@ class Admission:
         sched, cfg = self.scheduler, self.config
         if sched.num_waiting - sched.batch_waiting + pending >= cfg.max_waiting:
             raise self.refuse("queue_full", self.ticket(self.retry_after()))
-        self.check_ttft(1, step_ends_at=step_ends_at, pending=pending)
+        # Without the request's max_tokens, a slot's wait is judged only on a measured
+        # completion rate: the precheck never refuses what the door proper would admit.
+        self._answer_hint = 0
+        try:
+            self.check_ttft(1, step_ends_at=step_ends_at, pending=pending)
+        finally:
+            self._answer_hint = None
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise ValueError unless the request could be served here, however idle."""
@@ -243,11 +256,15 @@ class Admission:
         rate = self.completion_rate()
         if rate is not None:
             return rate
+        hint = self._answer_hint  # the request at the door's max_tokens; 0: no prediction
+        if hint == 0:
+            return None
         sched = self.scheduler
         step = sched.step_estimate(sched.max_running, 0)
         if step <= 0:
             return None
-        return sched.max_running / (self.output_tokens * step)
+        answer = self.output_tokens if hint is None else min(self.output_tokens, hint)
+        return sched.max_running / (answer * step)
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained: waiting requests over the service

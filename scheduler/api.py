@@ -104,6 +104,8 @@ class EngineStats:
     # LoRA adapters (scheduler/adapters.py): slots, resident, running / waiting sequences
     # and requests / tokens by adapter, slot loads and swaps.
     adapters: dict = field(default_factory=dict)
+    # Measured / predicted step time: counts per step_log.PREDICTION_BUCKETS, and the sum.
+    step_prediction: tuple[list[int], float] = field(default_factory=lambda: ([], 0.0))
 
     @property
     def busy_fraction(self) -> float:

@@ -221,9 +221,10 @@ class Engine:
     async def _step(self, batch: Batch) -> None:
         runner = self.runner
         t0 = self.clock()
+        predicted = self.scheduler.step_estimate(batch.num_decode,
+                                                 batch.plan.num_tokens - batch.num_decode)
         # Set while the step runs (aborts wait for it); admission counts what is left.
-        self._step_ends_at = t0 + self.scheduler.step_estimate(
-            batch.num_decode, batch.plan.num_tokens - batch.num_decode)
+        self._step_ends_at = t0 + predicted
         try:
             result = await trio.to_thread.run_sync(runner.step, batch.plan,
                                                    limiter=self._limiter)
@@ -244,7 +245,8 @@ class Engine:
         if result.device_seconds > 0:
             self.scheduler.observe(batch, result.device_seconds)
         self._log.record(batch, t0, t1, real_tokens=result.real_tokens or tokens,
-                         padded_tokens=result.padded_tokens or tokens)
+                         padded_tokens=result.padded_tokens or tokens,
+                         predicted_s=predicted, measured_s=result.device_seconds)
         self._log.generation_tokens += len(sampled)
         max_context = runner.max_context
         for seq, tok in sampled:

@@ -30,6 +30,11 @@ class StepRecord:
     error: str | None = None
 
 
+# Measured / predicted step time: how far the step-cost model's estimate (what admission
+# and the prefill budget plan with) is off. A histogram's upper bounds.
+PREDICTION_BUCKETS = (0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, float("inf"))
+
+
 class StepLog:
     def __init__(self, maxlen: int) -> None:
         self.records: deque[StepRecord] = deque(maxlen=maxlen)
@@ -39,12 +44,21 @@ class StepLog:
         self.padded_tokens = 0  # tokens computed including bucket padding
         self.prompt_tokens = 0  # prompt tokens computed (prefix-cache hits are not)
         self.generation_tokens = 0  # tokens sampled (the engine counts them at commit)
+        self.prediction_counts = [0] * len(PREDICTION_BUCKETS)  # per bucket, not cumulative
+        self.prediction_sum = 0.0
 
     def record(self, batch: Batch, started_at: float, ended_at: float, *,
                real_tokens: int = 0, padded_tokens: int = 0,
-               error: str | None = None) -> StepRecord:
+               error: str | None = None, predicted_s: float = 0.0,
+               measured_s: float = 0.0) -> StepRecord:
         """Log a step. A failed one (`error` set) computed nothing: it counts as a step
-        and as busy time, but adds no tokens."""
+        and as busy time, but adds no tokens. `predicted_s` / `measured_s`: the step-cost
+        model's estimate and the runner's time, when both are known."""
+        if predicted_s > 0 and measured_s > 0 and error is None:
+            ratio = measured_s / predicted_s
+            self.prediction_sum += ratio
+            self.prediction_counts[next(i for i, le in enumerate(PREDICTION_BUCKETS)
+                                        if ratio <= le)] += 1
         plan, nd = batch.plan, batch.num_decode
         rec = StepRecord(
             index=self.steps, started_at=started_at, ended_at=ended_at,
@@ -65,4 +79,5 @@ class StepLog:
         """The `EngineStats` fields kept here."""
         return dict(steps=self.steps, busy_s=self.busy_s, real_tokens=self.real_tokens,
                     padded_tokens=self.padded_tokens, prompt_tokens=self.prompt_tokens,
-                    generation_tokens=self.generation_tokens)
+                    generation_tokens=self.generation_tokens,
+                    step_prediction=(list(self.prediction_counts), self.prediction_sum))

@@ -96,6 +96,7 @@ class FakeRunner:
         self.on_step: Callable[[StepPlan], None] | None = None  # runs in the worker thread
         self.adapter_slots = adapter_slots
         self.warmup_times: list[tuple[int, int, float]] = []  # tests may fill it
+        self.device_seconds = 0.0  # what each step reports as its time (0: none)
         self.slots: list[str | None] = [None] * adapter_slots  # what each slot holds
         self.dropped: list[str] = []  # adapters the engine said nothing needs any more
         self.registered: set[str] | None = None  # None: any name loads (scheduler tests)
@@ -166,7 +167,7 @@ class FakeRunner:
                 sampled[c.seq_id] = SampledToken(token_id=token, logprob=-1.0)
         real = rec.num_tokens
         return StepResult(sampled=sampled, real_tokens=real,
-                          padded_tokens=-(-real // 8) * 8)
+                          padded_tokens=-(-real // 8) * 8, device_seconds=self.device_seconds)
 
     def _check(self, rec: PlanRecord) -> None:
         lim, ps = self._limits, self.page_size

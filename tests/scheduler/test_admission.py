@@ -198,11 +198,14 @@ def test_a_refused_burst_is_told_to_come_back_one_service_interval_apart():
 
 
 def test_precheck_refuses_before_the_prompt_is_known():
-    adm, sched, _ = door(ttft_target_s=1.0, max_running=4, num_running=4)
-    adm.precheck()  # nothing known: nothing to refuse on
-    sched.decode_step_s = 0.1
+    adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4,
+                             decode_step_s=0.1)
+    # Warm-up figures alone: the wait depends on the answer's length, which the request
+    # (not yet read) says; the door proper decides.
+    adm.precheck()
+    completions(adm, clock, 3, every_s=2.0)  # measured: a slot frees every 2 s
     with pytest.raises(Overloaded) as e:
-        adm.precheck()  # a slot is 6.4 s away whatever the prompt
+        adm.precheck()  # a slot is 2 s away whatever the prompt
     assert e.value.reason == "queue_wait"
     sched.num_running = 2
     adm.precheck()  # free slots: the prompt decides, at the door proper
@@ -216,7 +219,8 @@ def test_precheck_refuses_before_the_prompt_is_known():
 def test_requests_still_being_tokenized_count_as_ahead():
     # 4 free slots, nothing queued yet, but 4 requests passed the precheck and are being
     # tokenized: a fifth has a slot to wait for.
-    adm, sched, _ = door(ttft_target_s=1.0, max_running=4, decode_step_s=0.1)
+    adm, sched, clock = door(ttft_target_s=1.0, max_running=4, decode_step_s=0.1)
+    completions(adm, clock, 3, every_s=2.0)
     adm.precheck(pending=3)
     with pytest.raises(Overloaded) as e:
         adm.precheck(pending=4)
