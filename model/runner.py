@@ -274,8 +274,13 @@ class ModelRunner:
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
                     logits, *self._sampling_args(kind, rows, [])))
+        if b.pf_tokens not in (0, max(self.prefill_buckets)):
+            self._steps[b] = step
+            return
         # Once more, timed (the first run's extra cost is gone): the step-cost estimate
-        # admission predicts from until real steps of this shape are measured.
+        # admission predicts from until real steps are measured. The model needs each
+        # decode size's time and one prefill token's cost: the decode-only shapes and the
+        # largest prefill bucket beside each mixed decode size are enough.
         with self._lock:
             t0 = time.perf_counter()
             batch = self._batch(layout, [])
