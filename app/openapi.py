@@ -16,7 +16,8 @@ from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
                       CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health,
                       LoadLoraAdapterRequest, LoraAdapterCard, ModelList, TokenizeRequest,
                       TokenizeResponse, UnloadLoraAdapterRequest)
-from .stats import KEEP_S, STEPS_SINCE, Stats
+from .stats import KEEP_S, STEPS_SINCE
+from .stats_schema import Stats
 
 _TYPES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
           ChatCompletion, ChatCompletionChunk, Completion, ModelList, TokenizeResponse,

@@ -10,7 +10,8 @@ Three sources, none of which touches the engine's step path:
   beside the Prometheus histograms), in per-second histograms of 1%-wide buckets: the
   percentiles over the last minute are within 0.5% of the exact ones (Prometheus' buckets
   are up to 2.5x wide), and memory does not grow with the rate.
-The JSON's types are msgspec Structs, so /openapi.json describes exactly what is sent.
+The JSON's types are msgspec Structs (app/stats_schema.py), so /openapi.json describes
+exactly what is sent.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-import msgspec
 import numpy as np
 import trio
+
+from .stats_schema import (BatchProgress, KvPages, Percentiles, PoolStats, ReplicaStats, Series,
+                           Slo, Stats, Step, TenantStats)
 
 if TYPE_CHECKING:
     from .pools import Pool
@@ -106,123 +109,6 @@ class Observer:
     def observe(self, value: float) -> None:
         self.hist.observe(value)
         self.recent.add(value)
-
-
-# -- the JSON ------------------------------------------------------------------------------
-class Percentiles(msgspec.Struct):
-    """Over the window; null when nothing was observed."""
-
-    p50: float | None
-    p95: float | None
-    mean: float | None  # equals /metrics' sum / count over the same requests
-    count: int
-
-
-class Slo(msgspec.Struct):
-    """The lines the dashboard draws: the pool's scheduler targets (1 s / 50 ms when off)."""
-
-    ttft_s: float
-    itl_s: float
-
-
-class KvPages(msgspec.Struct):
-    total: int
-    in_use: int  # held by live sequences
-    cached: int  # unreferenced, kept for prefix hits (evictable)
-    free: int
-
-
-class Step(msgspec.Struct):
-    """One engine step: what it carried and how long it took."""
-
-    index: int
-    ago_s: float  # seconds between the step's end and this report
-    duration_s: float
-    decode_rows: int
-    prefill_tokens: int
-    padding_tokens: int  # computed for bucket padding, not for a request
-    preempted: int
-    error: bool
-
-
-class Series(msgspec.Struct):
-    """Once a second over the window, oldest first (`ago_s` counts back from now)."""
-
-    ago_s: list[float]
-    running: list[int]
-    waiting: list[int]
-    kv_pages_in_use: list[int]
-    output_tokens_per_s: list[float]
-    refused_per_s: list[float]  # 429s at the door, all reasons
-    shed_per_s: list[float]
-
-
-class ReplicaStats(msgspec.Struct):
-    replica: int
-    alive: bool
-    running: int
-    waiting: int
-    oldest_waiting_age_s: float
-    kv_pages: KvPages
-    busy_fraction: float | None  # over the window: time inside steps / wall time
-    steps: list[Step]  # newest last; only those after `steps_since`, at most 240
-    last_step_index: int
-
-
-class PoolStats(msgspec.Struct):
-    name: str
-    model: str
-    adapters: list[str]
-    slo: Slo
-    running: int
-    waiting: int
-    oldest_waiting_age_s: float
-    kv_pages: KvPages
-    prefix_cache_hit_rate: float | None  # prompt tokens served from cache / looked up
-    ttft: Percentiles  # seconds, as the clients saw them
-    itl: Percentiles
-    output_tokens_per_s: float
-    prompt_tokens_per_s: float
-    refused_per_s: dict[str, float]  # 429s at the door, by reason
-    shed_per_s: float  # admitted, then dropped after waiting past the queue deadline
-    busy_fraction: float | None
-    useful_busy_fraction: float | None  # busy x the share of computed tokens that were real
-    replicas: list[ReplicaStats]
-    series: Series
-
-
-class TenantStats(msgspec.Struct):
-    name: str
-    in_flight: int
-    max_concurrency: int | None
-    tokens_per_min: float  # prompt + generated tokens of requests ended in the window
-    quota_tokens_per_min: int | None
-    priority: int
-
-
-class BatchProgress(msgspec.Struct):
-    id: str
-    tenant: str
-    total: int
-    completed: int
-    failed: int
-    running: int
-    priority_level: int
-    at_risk: bool
-    expires_in_s: float
-
-
-class Stats(msgspec.Struct):
-    """GET /v1/stats: the server's live state per pool and replica (the console's source)."""
-
-    time: float  # unix seconds
-    uptime_s: float
-    phase: str
-    window_s: float  # rates and percentiles are over this many seconds (or since start)
-    warmup_remaining: int
-    pools: list[PoolStats]
-    tenants: list[TenantStats]
-    batches: list[BatchProgress] | None  # null when batch jobs are off
 
 
 # -- the sampler ---------------------------------------------------------------------------

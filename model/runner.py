@@ -8,7 +8,7 @@ compiles. The KV pool is allocated once at construction and donated into every s
 XLA updates it in place. Attention is the backend's business (`pallas_kernels`): the
 runner hands it each step's generic layout and passes its metadata and state along.
 
-(Just over 350 lines: the runner owns the device state — KV pool, adapter slots,
+(Just under 400 lines: the runner owns the device state — KV pool, adapter slots,
 compiled programs — and every path that touches it is kept here, under one lock.)
 """
 
