@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import trio
 
@@ -133,15 +134,12 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     not one of the server's flights (a drain does not wait for it: it runs again after
     a restart)."""
     req = p.req
+    candidates: list[Pool] = []
     if batch is None:  # a refusal needs no tokenizing or template rendering
         candidates = state.router.candidates(req.model)  # type: ignore[union-attr]
         _precheck(candidates)
-        for c in candidates:  # the next ones' precheck counts this one as ahead
-            c.admitting += 1
-    try:
+    with _tokenizing(candidates):
         pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
-    finally:  # tokenized (or failed): from here the engine's own queue counts it
-        _admitted(candidates if batch is None else [])
 
     if batch is None:
         if len(state.flights) >= state.settings.server.max_streams:
@@ -213,10 +211,17 @@ def _stop_token_ids(ids: list[int] | None, pool: Pool) -> tuple[int, ...]:
     return tuple(ids or ())
 
 
-def _admitted(pools: list[Pool]) -> None:
-    """A request past the precheck is tokenized (or failed to be)."""
+@contextmanager
+def _tokenizing(pools: list[Pool]) -> Iterator[None]:
+    """While a request past the precheck is being tokenized, the next requests' precheck
+    counts it as ahead; once tokenized (or failed), the engine's own queue counts it."""
     for p in pools:
-        p.admitting -= 1
+        p.admitting += 1
+    try:
+        yield
+    finally:
+        for p in pools:
+            p.admitting -= 1
 
 
 def _precheck(pools: list[Pool]) -> None:
