@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ttft-target", type=float, metavar="S",
                    help="refuse (429) requests predicted to wait longer for their first "
                         "token (default: the config's ttft_target_s, 1 s); 0: never")
+    s.add_argument("--itl-target", type=float, metavar="S",
+                   help="plan every step within S seconds: the number of streams follows "
+                        "(default: the config's itl_target_s, 0 = off)")
     s.set_defaults(run=_serve)
 
     c = sub.add_parser("chat", help="chat with a running server in the terminal")
@@ -130,6 +133,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, prefix_cache=False)
         if getattr(args, "ttft_target", None) is not None:
             sched = replace(sched, ttft_target_s=args.ttft_target)
+        if getattr(args, "itl_target", None) is not None:
+            sched = replace(sched, itl_target_s=args.itl_target)
         pool = replace(pool, scheduler=sched)
         if i == 0 and getattr(args, "model", None):
             pool = replace(pool, model=args.model)

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, ge
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
-from scheduler.step_log import PREDICTION_BUCKETS
+from scheduler.step_log import HOST_BUCKETS, PREDICTION_BUCKETS
 
 from .stats import LiveStats, Observer
 
@@ -120,7 +120,13 @@ class _EngineCollector:
                            "The pool's inter-token latency target (0: off).")
         prediction = HistogramMetricFamily(
             "sluice:step_time_prediction_ratio", "Measured / predicted step time (the "
-            "step-cost model admission and the prefill budget plan with).", labels=LABELS)
+            "step-cost model admission and the ITL target plan with).", labels=LABELS)
+        host = HistogramMetricFamily(
+            "sluice:step_host_seconds", "Host work per step around its computation: "
+            "planning, packing, commit, detokenizing, delivery (the device idles).",
+            labels=LABELS)
+        compute = counter("step_compute_seconds",
+                          "Seconds the steps computed (busy seconds less host work).")
 
         # vLLM's adapter gauge: the value is the time of the scrape, the labels say which
         # adapters run and wait (comma-separated) and how many slots there are.
@@ -161,7 +167,9 @@ class _EngineCollector:
             warming.add_metric(lv, pool.warmup_remaining)
             ttft_target.add_metric(lv, pool.config.scheduler.ttft_target_s)
             itl_target.add_metric(lv, pool.config.scheduler.itl_target_s)
-            _prediction(prediction, lv, [s.step_prediction for s in stats])
+            _histogram(prediction, lv, PREDICTION_BUCKETS, [s.step_prediction for s in stats])
+            _histogram(host, lv, HOST_BUCKETS, [s.step_host for s in stats])
+            compute.add_metric(lv, sum(s.compute_s for s in stats))
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
@@ -175,21 +183,21 @@ class _EngineCollector:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
-                    itl_target, prediction, lora_info, lora_requests, lora_tokens, lora_loads,
+                    itl_target, prediction, host, compute, lora_info, lora_requests, lora_tokens, lora_loads,
                     lora_swaps, lora_loaded)
 
 
-def _prediction(family: HistogramMetricFamily, lv: list[str],
-                per_replica: list[tuple[list[int], float]]) -> None:
-    """One pool's measured/predicted step-time histogram, summed over its replicas."""
-    counts = [0] * len(PREDICTION_BUCKETS)
+def _histogram(family: HistogramMetricFamily, lv: list[str], bounds: tuple[float, ...],
+               per_replica: list[tuple[list[int], float]]) -> None:
+    """One pool's histogram (`step_log.Histogram` snapshots), summed over its replicas."""
+    counts = [0] * len(bounds)
     total = 0.0
     for c, s in per_replica:
         for i, n in enumerate(c):
             counts[i] += n
         total += s
     cumulative, buckets = 0, []
-    for le, n in zip(PREDICTION_BUCKETS, counts):
+    for le, n in zip(bounds, counts):
         cumulative += n
         buckets.append(("+Inf" if le == float("inf") else str(le), cumulative))
     family.add_metric(lv, buckets, total)

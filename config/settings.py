@@ -36,11 +36,18 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ttft_target_s: float = 1.0
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
-    # A step that carries prefill beside running decodes may take at most
-    # max(itl_target_s, decode-only step time * (1 + prefill_slowdown)); prefill still gets
-    # min_prefill_tokens a step, so long prompts move. See scheduler/step_cost.py.
+    # The inter-token latency target (0: off). With one, every step is planned so that its
+    # predicted duration stays within it: prompts are split into the chunks that fit beside
+    # the decodes, and a request joins the running set only while the steps still fit (so
+    # the number of streams follows from the target and their contexts, up to
+    # max_running); a request that cannot then meet ttft_target_s is refused at once
+    # (429, reason "itl_target"). See scheduler/step_cost.py.
+    itl_target_s: float = 0.0
+    # Without an ITL target: a step that carries prefill beside running decodes may take
+    # at most max(prefill_floor_s, decode-only step time * (1 + prefill_slowdown));
+    # prefill still gets min_prefill_tokens a step, so long prompts move.
     adaptive_prefill: bool = True
-    itl_target_s: float = 0.05
+    prefill_floor_s: float = 0.05
     prefill_slowdown: float = 0.4
     min_prefill_tokens: int = 16
     short_prefill_tokens: int = 256  # a prompt with at most this much left is prefilled whole

@@ -176,6 +176,8 @@ class ModelRunner:
             max_prefill_seqs=self.max_prefill_seqs if max_pf else 0,
             max_prefill_chunk=budget,
             max_prefill_tokens=budget,
+            shapes=tuple((b.dec_rows, b.pf_tokens) for b in self.programs.all),
+            block_q=self.block_q,
         )
 
     def buckets(self) -> list[Bucket]:
@@ -338,6 +340,7 @@ class ModelRunner:
                           pages_per_seq=self.pool.pages_per_seq,
                           n_samples=self._sample_rows(bucket))
             batch = self._batch(layout, plan.copies)
+            t_pack = time.perf_counter()
             self.kv, logits = self._steps[bucket](
                 self.params, self.kv, batch, self.attention.state,
                 self._lora_arrays)
@@ -350,7 +353,9 @@ class ModelRunner:
                 jax.block_until_ready(logits)
             result = StepResult(sampled=sampled, padded_tokens=sum(bucket),
                                 real_tokens=layout.real_tokens,
-                                device_seconds=time.perf_counter() - t0)
+                                device_seconds=time.perf_counter() - t0,
+                                shape=(bucket.dec_rows, bucket.pf_tokens),
+                                host_seconds=t_pack - t0)
             if return_logits:
                 host = np.asarray(logits)
                 result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}

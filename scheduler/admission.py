@@ -8,7 +8,8 @@ should the client retry?
 2. the queue's bounds: `max_waiting` requests and `max_waiting_tokens` tokens
    (Overloaded "queue_full" / "queue_tokens");
 3. for interactive requests only (batch jobs wait for idle capacity instead), the
-   predicted time to first token against `ttft_target_s` (Overloaded "queue_wait"):
+   predicted time to first token against `ttft_target_s` (Overloaded "ttft_target", or
+   "itl_target" when the wait is for a running slot only the ITL target holds back):
    refusing in microseconds lets the client go elsewhere, where queueing it would only
    serve it late.
 
@@ -69,6 +70,13 @@ class SchedulerQueries(Protocol):
     def prefix_hit_rate(self) -> float: ...
 
     def step_estimate(self, num_decode: int, prefill_tokens: int) -> float: ...
+
+    # Sequences that may run at once now (`max_running`, or fewer under an ITL target),
+    # and how long a prompt's uncached tokens take to prefill.
+    @property
+    def running_capacity(self) -> int: ...
+
+    def prefill_seconds(self, tokens: float) -> float: ...
 
     def kv_capacity(self) -> tuple[int, int]: ...
 
@@ -184,10 +192,15 @@ class Admission:
         ttft = wait + own if own <= target else wait
         if ttft > target:
             retry = self.ticket(self._drain_time(ttft - target, pending))
-            raise self.refuse("queue_wait", retry, f"expected time to first token "
-                                                   f"{ttft:.1f}s exceeds {target:g}s "
-                                                   f"(queue wait {wait:.1f}s); retry in "
-                                                   f"{retry:.1f}s")
+            # "itl_target": the wait is for a running slot while the ITL target holds the
+            # running set below `max_running`.
+            cap = sched.running_capacity
+            itl = cap < sched.max_running and self._slots_ahead() + pending > 0
+            raise self.refuse("itl_target" if itl else "ttft_target", retry,
+                              f"expected time to first token {ttft:.1f}s exceeds {target:g}s "
+                              f"(queue wait {wait:.1f}s"
+                              + (f"; {cap} streams at once keep the ITL target" if itl else "")
+                              + f"); retry in {retry:.1f}s")
 
     # -- the estimates -----------------------------------------------------------------
     def expected_wait(self, *, step_ends_at: float | None = None,
@@ -215,11 +228,12 @@ class Admission:
         return wait
 
     def _slots_ahead(self) -> int:
-        """Interactive requests that must finish before a newcomer gets a running slot."""
+        """Interactive requests that must finish before a newcomer gets a running slot
+        (as many as may run now: `max_running`, or fewer under an ITL target)."""
         sched = self.scheduler
         running = sched.num_running - sched.batch_running
         return (sched.num_waiting - sched.batch_waiting + 1
-                - max(0, sched.max_running - running))
+                - max(0, sched.running_capacity - running))
 
     def _drain_time(self, excess_s: float, pending: int = 0) -> float:
         """Seconds until `excess_s` of the predicted wait is gone: prefill work ahead drains
@@ -233,10 +247,9 @@ class Admission:
     def prefill_estimate(self, tokens: float) -> float:
         """Seconds to prefill `tokens` prompt tokens, discounted by the prefix cache's
         hit rate so far, at the measured per-token cost (0 before any is measured)."""
-        per_token = self.scheduler.prefill_token_s
-        if not per_token:
+        if not self.scheduler.prefill_token_s:
             return 0.0
-        return tokens * (1.0 - self.scheduler.prefix_hit_rate) * per_token
+        return self.scheduler.prefill_seconds(tokens * (1.0 - self.scheduler.prefix_hit_rate))
 
     def completion_rate(self) -> float | None:
         """Requests completed per second over the last minute; None with too few."""
@@ -260,11 +273,12 @@ class Admission:
         if hint == 0:
             return None
         sched = self.scheduler
-        step = sched.step_estimate(sched.max_running, 0)
+        cap = sched.running_capacity
+        step = sched.step_estimate(cap, 0)
         if step <= 0:
             return None
         answer = self.output_tokens if hint is None else min(self.output_tokens, hint)
-        return sched.max_running / (answer * step)
+        return cap / (answer * step)
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained: waiting requests over the service

@@ -106,6 +106,9 @@ class EngineStats:
     adapters: dict = field(default_factory=dict)
     # Measured / predicted step time: counts per step_log.PREDICTION_BUCKETS, and the sum.
     step_prediction: tuple[list[int], float] = field(default_factory=lambda: ([], 0.0))
+    # Host seconds per step around the computation: counts per step_log.HOST_BUCKETS, sum.
+    step_host: tuple[list[int], float] = field(default_factory=lambda: ([], 0.0))
+    compute_s: float = 0.0  # seconds the steps computed (busy_s less host work)
 
     @property
     def busy_fraction(self) -> float:

@@ -93,6 +93,9 @@ class Engine:
         self._failures = 0
         self._started_at = clock()
         self._seeded = 0  # runner.warmup_times already fed to the step-cost model
+        # When this iteration's host work began: the previous step's end, unless the loop
+        # idled in between (then the top of this iteration).
+        self._iter_from: float | None = None
 
     # -- the public face ---------------------------------------------------------------
     @property
@@ -189,6 +192,8 @@ class Engine:
         task_status.started()
         try:
             while self._alive:
+                if self._iter_from is None:
+                    self._iter_from = self.clock()
                 self._seed_costs()
                 self._end_deferred_aborts()
                 self._shed_expired()
@@ -196,6 +201,7 @@ class Engine:
                     self._deliver_pending()
                 batch = self.scheduler.schedule()
                 if batch is None:
+                    self._iter_from = None
                     await self._idle()
                     continue
                 await self._step(batch)
@@ -221,8 +227,7 @@ class Engine:
     async def _step(self, batch: Batch) -> None:
         runner = self.runner
         t0 = self.clock()
-        predicted = self.scheduler.step_estimate(batch.num_decode,
-                                                 batch.plan.num_tokens - batch.num_decode)
+        predicted = self.scheduler.predict(batch)
         # Set while the step runs (aborts wait for it); admission counts what is left.
         self._step_ends_at = t0 + predicted
         try:
@@ -241,13 +246,8 @@ class Engine:
             return
         t1 = self.clock()
         self._failures = 0
-        tokens = batch.plan.num_tokens
         if result.device_seconds > 0:
-            self.scheduler.observe(batch, result.device_seconds)
-        self._log.record(batch, t0, t1, real_tokens=result.real_tokens or tokens,
-                         padded_tokens=result.padded_tokens or tokens,
-                         predicted_s=predicted, measured_s=result.device_seconds)
-        self._log.generation_tokens += len(sampled)
+            self.scheduler.observe(batch, result.device_seconds, result.shape)
         max_context = runner.max_context
         for seq, tok in sampled:
             if seq.first_token_at is None:
@@ -262,6 +262,17 @@ class Engine:
             elif out.has_text:
                 self._deliver(seq)
         self._end_deferred_aborts()
+        # Host work: the iteration (from the previous step's end) less the computation.
+        end = self.clock()
+        compute = max(0.0, result.device_seconds - result.host_seconds)
+        host = max(0.0, end - (t0 if self._iter_from is None else self._iter_from) - compute)
+        self._iter_from = end
+        tokens = batch.plan.num_tokens
+        self._log.record(batch, t0, t1, real_tokens=result.real_tokens or tokens,
+                         padded_tokens=result.padded_tokens or tokens,
+                         predicted_s=predicted, measured_s=result.device_seconds,
+                         compute_s=compute, host_s=host)
+        self._log.generation_tokens += len(sampled)
 
     def _step_failed(self, batch: Batch, exc: Exception, t0: float) -> None:
         t1 = self.clock()

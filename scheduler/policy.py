@@ -36,6 +36,7 @@ batch share and of adapter residency lives in background.py and adapters.py.)
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,7 +49,11 @@ from .fairness import FairQueue
 from .pages import PageAllocator
 from .protocol import SampledToken, StepLimits, StepPlan, StepResult
 from .request import Phase, Sequence
-from .step_cost import StepCostModel
+from .step_cost import StepCostModel, chunk_work
+
+# What an answer is expected to add to its context before any has finished here ("a few
+# hundred tokens"); the finished ones' running average replaces it.
+_PRIOR_ANSWER_TOKENS = 256.0
 
 
 @dataclass(slots=True)
@@ -62,6 +67,12 @@ class Batch:
     # Sequences whose pages `plan.copies` fills (a failed step must fail them too, even
     # those with no chunk in it).
     copied: list[Sequence] = field(default_factory=list)
+    work: int = 0  # keys the step's attention reads (step_cost.chunk_work)
+    prefill_padded: int = 0  # prompt tokens as computed: whole query blocks
+
+    def predicted(self, cost: StepCostModel) -> float:
+        """The step-cost model's estimate of this step's seconds."""
+        return cost.predict(self.num_decode, self.prefill_padded, self.work)
 
 
 class Scheduler:
@@ -90,10 +101,16 @@ class Scheduler:
         # Every running sequence must be able to decode in the same step: no starvation.
         self.max_running = max(1, cap)
         # Prefill beside decodes is capped by measured step cost (the engine feeds it).
-        self.cost = StepCostModel(itl_target_s=config.itl_target_s,
+        self.cost = StepCostModel(itl_target_s=0.0 if self.static else config.itl_target_s,
+                                  prefill_floor_s=config.prefill_floor_s,
                                   prefill_slowdown=config.prefill_slowdown,
-                                  min_prefill_tokens=config.min_prefill_tokens)
+                                  min_prefill_tokens=config.min_prefill_tokens,
+                                  shapes=limits.shapes, block_q=limits.block_q)
         self.adaptive_prefill = config.adaptive_prefill and not self.static
+        # With an ITL target every step is planned to fit it (`_fit_decodes`, `_room`,
+        # `_decode_slot`): the running set follows from the target and the contexts.
+        self.itl_target = self.cost.itl_target_s
+        self.answer_tokens = _PRIOR_ANSWER_TOKENS  # running average of finished answers
         self.background = BackgroundShare(config, self.cost)  # batch jobs' share
 
     # -- the queue's side ----------------------------------------------------------------
@@ -147,7 +164,40 @@ class Scheduler:
 
     def step_estimate(self, num_decode: int, prefill_tokens: int) -> float:
         """Expected seconds of such a step (0 for the parts not measured yet)."""
-        return self.cost.estimate(num_decode, prefill_tokens)
+        return self.cost.predict(num_decode, self.cost.padded(prefill_tokens))
+
+    def predict(self, batch: Batch) -> float:
+        """The step-cost model's estimate of a planned step's seconds (0: not known)."""
+        return batch.predicted(self.cost)
+
+    @property
+    def running_capacity(self) -> int:
+        """Sequences that may run at once now: `max_running`, or under an ITL target as
+        many as leave a step within it (room for a minimal prompt chunk beside their
+        decodes) at the contexts the running ones are expected to reach; at least 1."""
+        if not self.itl_target:
+            return self.max_running
+        running = list(self.running.values())
+        ctx = (sum(map(self.expected_context, running)) / len(running) if running
+               else self.answer_tokens)
+        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        for k in range(self.max_running, 1, -1):
+            if self.cost.fits(k, chunk, k * ctx + chunk_work(int(ctx), chunk)):
+                return k
+        return 1
+
+    def prefill_seconds(self, tokens: float) -> float:
+        """Seconds a prompt of `tokens` uncached tokens takes to prefill: at the measured
+        cost of a token, or under an ITL target at the pace of the chunks that fit beside
+        the decodes of a full running set, one step each."""
+        cost = self.cost
+        alone = tokens * (cost.prefill_token_s or 0.0)
+        if not self.itl_target or tokens <= 0:
+            return alone
+        nd = max(0, self.running_capacity - 1)
+        chunk = cost.largest_prefill(nd, self.limits.max_prefill_tokens) or cost.block_q
+        steps = math.ceil(tokens / chunk)
+        return max(alone, steps * cost.predict(nd, cost.padded(min(chunk, math.ceil(tokens)))))
 
     def kv_capacity(self) -> tuple[int, int]:
         """(usable KV pages, page size): a longer sequence could never be admitted."""
@@ -177,6 +227,8 @@ class Scheduler:
             self._make_room(batch)
 
         order = sorted(self.running.values(), key=Sequence.victim_key.fget)
+        if self.itl_target:
+            order = self._fit_decodes(order, batch)
         interactive = any(not s.batch for s in order)
         self._schedule_decodes(order, batch, interactive)
         num_decode = len(batch.seqs)
@@ -196,7 +248,7 @@ class Scheduler:
         # Beside decodes, a long prompt's chunk is capped by the measured step cost (so the
         # streams keep their pace); a short prompt is prefilled whole, for its TTFT.
         soft = budget
-        if self.adaptive_prefill:
+        if self.adaptive_prefill and not self.itl_target:
             cap = self.cost.prefill_budget(num_decode)
             if cap is not None:
                 soft = min(budget, cap)
@@ -206,7 +258,8 @@ class Scheduler:
             rest = seq.num_tokens - seq.num_computed_tokens
             n = budget if rest <= short else min(budget, soft)
             room = batch_prefill() if seq.batch else None
-            return n if room is None else min(n, room)
+            n = n if room is None else min(n, room)
+            return self._room(batch, seq, n) if self.itl_target else n
 
         slots = lim.max_prefill_seqs
         for seq in order:
@@ -234,6 +287,8 @@ class Scheduler:
                     slot_wanted = True
                     skip.add(seq)
                     continue
+                if not self._decode_slot(seq):
+                    break  # one more stream would push the steps past the ITL target
                 admitted = self._admit(seq, batch)
                 if admitted is None:
                     skip.add(seq)  # waits for a prefix being computed right now
@@ -300,6 +355,7 @@ class Scheduler:
             self.waiting.charge(seq, pos + 1)
             chunks.append(seq.chunk(pos, 1))
             seqs.append(seq)
+            batch.work += pos + 1
 
     def _schedule_prefill(self, seq: Sequence, batch: Batch, budget: int) -> int:
         start = seq.num_computed_tokens
@@ -315,7 +371,72 @@ class Scheduler:
             batch.copied.append(seq)
         batch.plan.chunks.append(seq.chunk(start, n))
         batch.seqs.append(seq)
+        batch.work += chunk_work(start, n)
+        batch.prefill_padded += self.cost.padded(n)
         return n
+
+    # -- the ITL target ------------------------------------------------------------------
+    def _fit_decodes(self, order: list[Sequence], batch: Batch) -> list[Sequence]:
+        """When the decodes alone are predicted past the ITL target (their contexts
+        grew), the least urgent decoding sequences are preempted (recomputed later, their
+        full pages kept in the prefix cache) until the rest fit; one always stays. Returns
+        `order` without them."""
+        decoding = [s for s in order if s.phase is Phase.DECODE]
+        work = sum(len(s.token_ids) for s in decoding)  # a decode row reads its context
+        cut = False
+        while len(decoding) > 1 and not self.cost.fits(len(decoding), 0, work):
+            victim = decoding.pop()
+            work -= len(victim.token_ids)
+            self._preempt(victim, batch)
+            cut = True
+        return [s for s in order if s.is_running] if cut else order
+
+    def _room(self, batch: Batch, seq: Sequence, most: int) -> int:
+        """The most prompt tokens of `seq` (up to `most`) that this step can take and
+        still be predicted within the ITL target: a question may be spread over several
+        steps. A chunk that does not end the prompt ends on a query block. A step that
+        would otherwise carry nothing takes one block, so a prompt always moves."""
+        cost = self.cost
+        start = seq.num_computed_tokens
+        nd, pf, work = batch.num_decode, batch.prefill_padded, batch.work
+
+        def fits(n: int) -> bool:
+            return cost.fits(nd, pf + cost.padded(n), work + chunk_work(start, n))
+
+        if most <= 0:
+            return 0
+        if not fits(1):
+            return min(most, cost.block_q) if not batch.seqs else 0
+        lo, hi = 1, most
+        while lo < hi:  # the largest n that fits (the prediction grows with n)
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        bq = cost.block_q
+        if lo < seq.num_tokens - start and lo >= bq:
+            lo -= lo % bq
+        return lo
+
+    def expected_context(self, seq: Sequence) -> float:
+        """Tokens `seq`'s context is expected to reach: its prompt and an answer of the
+        average length so far (within its max_tokens, at least what it has)."""
+        answer = min(seq.max_tokens, max(seq.num_generated, self.answer_tokens))
+        return seq.num_prompt_tokens + answer
+
+    def _decode_slot(self, seq: Sequence) -> bool:
+        """Under an ITL target, whether `seq` may join the running set: the decode step
+        of every running sequence and it, at the contexts they are expected to reach,
+        must still leave room for a minimal prompt chunk within the target (else the
+        next newcomer could never be prefilled). With nothing running, always."""
+        if not self.itl_target or not self.running:
+            return True
+        work = sum(map(self.expected_context, self.running.values()))
+        work += self.expected_context(seq)
+        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        return self.cost.fits(len(self.running) + 1, chunk,
+                              work + chunk_work(seq.num_prompt_tokens, chunk))
 
     # -- admission and preemption ----------------------------------------------------------
     def _admit(self, seq: Sequence, batch: Batch, *, wait_for_prefix: bool = True) -> bool | None:
@@ -407,10 +528,12 @@ class Scheduler:
         batch.preempted.append(seq.seq_id)
 
     # -- after the step ------------------------------------------------------------------
-    def observe(self, batch: Batch, seconds: float) -> None:
-        """Feed the step's measured device time to the cost model."""
+    def observe(self, batch: Batch, seconds: float,
+                shape: tuple[int, int] | None = None) -> None:
+        """Feed the step's measured device time (and the compiled shape it ran in) to
+        the cost model."""
         n = batch.num_decode
-        self.cost.observe(n, batch.plan.num_tokens - n, seconds)
+        self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
 
     def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
         """Record what the step computed; returns the sequences that got a new token (the
@@ -450,6 +573,8 @@ class Scheduler:
         elif seq.phase is Phase.QUEUED:
             self.waiting.remove(seq)
         seq.phase = Phase.DONE
+        if seq.num_generated and not seq.aborted:
+            self.answer_tokens += 0.1 * (seq.num_generated - self.answer_tokens)
         if seq.adapter is not None and self.adapters.ended(seq.adapter):
             return seq.adapter
         return None

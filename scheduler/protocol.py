@@ -109,6 +109,8 @@ class StepResult:
     padded_tokens: int = 0  # tokens computed including bucket padding
     real_tokens: int = 0  # tokens that belonged to a chunk
     device_seconds: float = 0.0  # time spent inside the runner for this step
+    shape: tuple[int, int] | None = None  # the compiled (decode rows, prefill tokens) it ran in
+    host_seconds: float = 0.0  # of device_seconds, the runner's own host work (packing, unpacking)
     logits: dict[int, object] | None = None  # seq_id -> [vocab] floats, only when asked (tests)
 
 
@@ -120,6 +122,10 @@ class StepLimits:
     max_prefill_seqs: int  # prefill chunks per step
     max_prefill_chunk: int  # tokens in one prefill chunk
     max_prefill_tokens: int  # all prefill tokens in one step
+    # The compiled (decode rows, prefill tokens) shapes a step runs in, the smallest that
+    # holds it (empty: not known); each prefill chunk is padded to whole `block_q` blocks.
+    shapes: tuple[tuple[int, int], ...] = ()
+    block_q: int = 1
 
 
 class Runner(Protocol):

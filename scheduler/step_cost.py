@@ -1,30 +1,77 @@
-"""How long steps take, learned online, so prefill never slows decoding past a bound.
+"""How long steps take, learned online: what the policy plans every step with.
 
-A step that carries prefill tokens beside the running decodes makes every decoding
-stream's next token late by the prefill's cost. The policy therefore caps the prefill
-tokens of a step that also decodes: the step may take at most
-``max(itl_target_s, decode_time * (1 + prefill_slowdown))``, where `decode_time` is what a
-decode-only step of that size takes. Prefill always gets at least `min_prefill_tokens`, so
-a long prompt keeps moving even when decoding alone already misses the target.
+Two uses:
 
-The model is two running averages fed with measured step times: decode-only step time
-by number of decoding sequences, and the marginal cost of one prefill token. Until a
-step with prefill has been measured, the budget is the floor (and with no decode-only
-step measured yet, there is no limit). Pure Python, no clocks of
-its own: the engine reports each step's duration.
+- **The ITL target** (`itl_target_s` > 0): every step is planned so that its *predicted*
+  duration stays within the target (`predict`, `fits`), because a step's duration is the
+  gap between two tokens of every stream in it. The policy asks how many prompt tokens fit
+  beside the decodes, and whether one more running sequence still leaves a step that fits.
+- **Without a target**, a softer bound keeps prefill from slowing the streams: a step that
+  carries prompt tokens beside decodes may take at most ``max(prefill_floor_s, decode_time
+  * (1 + prefill_slowdown))`` (`prefill_budget`), at least `min_prefill_tokens` a step.
+
+A step runs in a compiled *shape* (decode rows, prefill tokens): the smallest one that
+holds it, so its cost moves in steps, not per token; the runner says which shapes exist
+(`StepLimits.shapes`). Within a shape the cost grows with the attention's work, the keys
+each query reads (``work``: the sum over chunks of each token's context length). The
+model keeps, per shape, exponentially weighted means and (co)variances of (work, seconds),
+and one slope shared by all shapes fitted within shapes (a fixed-effects regression; ridge
+towards 0 while the contexts barely vary): ``predict = mean_s(shape) + slope * (work -
+mean_work(shape))``. A shape never measured is estimated from the coarse model below at
+its padded size (decode-only time by number of rows, plus a marginal cost per prefill
+token), which the warm-up's timed runs seed before any request ran.
+
+Pure Python, no clocks of its own: the engine reports each step's duration.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 _ALPHA = 0.2  # weight of the newest measurement in the running averages
+_RIDGE = 0.02  # within-shape spread of work (as a fraction of its mean) that counts as none
+
+
+def chunk_work(start: int, n: int) -> int:
+    """Keys read by the attention of a chunk of `n` tokens from position `start` (each
+    token attends to itself and everything before it)."""
+    return n * start + n * (n + 1) // 2
+
+
+@dataclass(slots=True)
+class _ShapeFit:
+    """Exponentially weighted (work, seconds) statistics of one compiled shape."""
+
+    n: int = 0
+    work: float = 0.0
+    seconds: float = 0.0
+    var_work: float = 0.0
+    cov: float = 0.0
+
+    def add(self, work: float, seconds: float) -> None:
+        if self.n == 0:
+            self.work, self.seconds = work, seconds
+        else:
+            dx, dy = work - self.work, seconds - self.seconds
+            self.work += _ALPHA * dx
+            self.seconds += _ALPHA * dy
+            self.var_work = (1 - _ALPHA) * (self.var_work + _ALPHA * dx * dx)
+            self.cov = (1 - _ALPHA) * (self.cov + _ALPHA * dx * dy)
+        self.n += 1
 
 
 class StepCostModel:
-    def __init__(self, *, itl_target_s: float, prefill_slowdown: float,
-                 min_prefill_tokens: int) -> None:
-        self.itl_target_s = itl_target_s
+    def __init__(self, *, itl_target_s: float = 0.0, prefill_floor_s: float = 0.05,
+                 prefill_slowdown: float = 0.4, min_prefill_tokens: int = 16,
+                 shapes: tuple[tuple[int, int], ...] = (), block_q: int = 1) -> None:
+        self.itl_target_s = itl_target_s  # 0: no target
+        self.prefill_floor_s = prefill_floor_s
         self.prefill_slowdown = prefill_slowdown
         self.min_prefill_tokens = min_prefill_tokens
+        self.block_q = max(1, block_q)
+        # Compiled shapes, cheapest first (the runner picks the first that holds a step).
+        self.shapes = sorted(set(shapes), key=lambda s: (s[0] + s[1], s[0]))
+        self._fits: dict[tuple[int, int], _ShapeFit] = {}
         self._decode_s: dict[int, float] = {}  # decoding sequences -> decode-only step time
         self.prefill_token_s: float | None = None  # marginal seconds per prefill token
         # Figures from the runner's warm-up (every compiled shape run once, timed): used
@@ -32,6 +79,7 @@ class StepCostModel:
         self._seeded: set[int] = set()
         self._prefill_seeded = False
 
+    # -- the coarse model: decode time by rows, one prefill token's marginal cost --------
     def decode_time(self, num_decode: int) -> float | None:
         if num_decode in self._decode_s:
             return self._decode_s[num_decode]
@@ -41,7 +89,19 @@ class StepCostModel:
         above = [n for n in self._decode_s if n >= num_decode]
         return self._decode_s[min(above) if above else max(self._decode_s)]
 
-    def observe(self, num_decode: int, prefill_tokens: int, seconds: float) -> None:
+    def estimate(self, num_decode: int, prefill_tokens: int) -> float:
+        """Expected seconds of a step with these decodes and prefill tokens by the coarse
+        model (0 for the parts not measured yet)."""
+        decode = self.decode_time(num_decode) if num_decode else None
+        return (decode or 0.0) + prefill_tokens * (self.prefill_token_s or 0.0)
+
+    # -- learning --------------------------------------------------------------------
+    def observe(self, num_decode: int, prefill_tokens: int, seconds: float, *,
+                shape: tuple[int, int] | None = None, work: float = 0.0) -> None:
+        """A step ran: `num_decode` decode rows and `prefill_tokens` prompt tokens (real,
+        not padded) in compiled `shape` (None: not known), reading `work` keys."""
+        if shape is not None:
+            self._fits.setdefault(tuple(shape), _ShapeFit()).add(work, seconds)
         if prefill_tokens == 0:
             if num_decode:
                 old = self._decode_s.get(num_decode)
@@ -79,14 +139,66 @@ class StepCostModel:
         self.prefill_token_s = per_token if old is None else old + _ALPHA * (per_token - old)
         self._prefill_seeded = True
 
-    def estimate(self, num_decode: int, prefill_tokens: int) -> float:
-        """Expected seconds of a step with these decodes and prefill tokens (0 for the
-        parts not measured yet)."""
-        decode = self.decode_time(num_decode) if num_decode else None
-        return (decode or 0.0) + prefill_tokens * (self.prefill_token_s or 0.0)
+    # -- prediction ------------------------------------------------------------------
+    def padded(self, tokens: int) -> int:
+        """A prefill chunk's tokens as the step computes them (whole query blocks)."""
+        return -(-tokens // self.block_q) * self.block_q
+
+    def shape_of(self, num_decode: int, prefill_padded: int) -> tuple[int, int]:
+        """The compiled shape a step of this size runs in (itself when none is known)."""
+        for d, p in self.shapes:
+            if d >= num_decode and p >= prefill_padded:
+                return (d, p)
+        return (num_decode, prefill_padded)
+
+    @property
+    def slope(self) -> float:
+        """Seconds per key read, fitted within shapes (never negative)."""
+        var = cov = ridge = 0.0
+        for f in self._fits.values():
+            if f.n >= 2:
+                var += f.var_work
+                cov += f.cov
+                ridge += (_RIDGE * f.work) ** 2
+        return max(0.0, cov / (var + ridge)) if var + ridge > 0 else 0.0
+
+    def predict(self, num_decode: int, prefill_padded: int,
+                work: float | None = None) -> float:
+        """Expected seconds of a step of `num_decode` decode rows and `prefill_padded`
+        prompt tokens (whole query blocks) reading `work` keys (None: as many as such
+        steps usually read); 0 while nothing of the kind has been measured."""
+        if num_decode == 0 and prefill_padded == 0:
+            return 0.0
+        shape = self.shape_of(num_decode, prefill_padded)
+        fit = self._fits.get(shape)
+        if fit is not None and fit.n:
+            if work is None:
+                return fit.seconds
+            return max(0.0, fit.seconds + self.slope * (work - fit.work))
+        return self.estimate(shape[0], shape[1])
+
+    def fits(self, num_decode: int, prefill_padded: int, work: float | None = None) -> bool:
+        """Whether such a step is predicted to stay within the ITL target (always, with
+        no target)."""
+        target = self.itl_target_s
+        return target <= 0 or self.predict(num_decode, prefill_padded, work) <= target
+
+    def largest_prefill(self, num_decode: int, limit: int) -> int:
+        """The most prompt tokens (whole query blocks, at most `limit`) a step beside
+        `num_decode` decodes can carry within the ITL target; 0 if not even one block."""
+        bq = self.block_q
+        lo, hi = 0, limit // bq
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits(num_decode, mid * bq):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * bq
 
     def prefill_budget(self, num_decode: int) -> int | None:
-        """Prefill tokens a step with `num_decode` decodes may carry; None: no limit."""
+        """Without an ITL target: prefill tokens a step with `num_decode` decodes may carry
+        (None: no limit)."""
         if num_decode == 0:
             return None
         base = self.decode_time(num_decode)
@@ -94,5 +206,5 @@ class StepCostModel:
             return None  # nothing measured (a runner that reports no times): no limit
         if not self.prefill_token_s:
             return self.min_prefill_tokens
-        allowed = max(self.itl_target_s, base * (1.0 + self.prefill_slowdown)) - base
+        allowed = max(self.prefill_floor_s, base * (1.0 + self.prefill_slowdown)) - base
         return max(self.min_prefill_tokens, int(allowed / self.prefill_token_s + 1e-6))

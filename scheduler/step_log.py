@@ -28,11 +28,33 @@ class StepRecord:
     copies: int = 0
     preempted: tuple[int, ...] = ()
     error: str | None = None
+    predicted_s: float = 0.0  # the step-cost model's estimate when it was planned
+    compute_s: float = 0.0  # the runner's step less its own host work (packing)
+    host_s: float = 0.0  # the rest of the iteration: planning, packing, commit, delivery
 
 
 # Measured / predicted step time: how far the step-cost model's estimate (what admission
-# and the prefill budget plan with) is off. A histogram's upper bounds.
-PREDICTION_BUCKETS = (0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, float("inf"))
+# and the ITL target plan with) is off. A histogram's upper bounds, 5% apart near 1.
+PREDICTION_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3,
+                      1.5, 2.0, 3.0, float("inf"))
+# Host seconds of an iteration that are not the step's computation (`StepRecord.host_s`).
+HOST_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf"))
+
+
+class Histogram:
+    """Counts per bucket (not cumulative) and the sum, for a Prometheus histogram."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def add(self, value: float) -> None:
+        self.sum += value
+        self.counts[next(i for i, le in enumerate(self.bounds) if value <= le)] += 1
+
+    def snapshot(self) -> tuple[list[int], float]:
+        return list(self.counts), self.sum
 
 
 class StepLog:
@@ -44,28 +66,32 @@ class StepLog:
         self.padded_tokens = 0  # tokens computed including bucket padding
         self.prompt_tokens = 0  # prompt tokens computed (prefix-cache hits are not)
         self.generation_tokens = 0  # tokens sampled (the engine counts them at commit)
-        self.prediction_counts = [0] * len(PREDICTION_BUCKETS)  # per bucket, not cumulative
-        self.prediction_sum = 0.0
+        self.prediction = Histogram(PREDICTION_BUCKETS)  # measured / predicted
+        self.host = Histogram(HOST_BUCKETS)  # host seconds per step
+        self.compute_s = 0.0  # seconds of step computation (StepRecord.compute_s)
 
     def record(self, batch: Batch, started_at: float, ended_at: float, *,
                real_tokens: int = 0, padded_tokens: int = 0,
                error: str | None = None, predicted_s: float = 0.0,
-               measured_s: float = 0.0) -> StepRecord:
+               measured_s: float = 0.0, compute_s: float = 0.0,
+               host_s: float = 0.0) -> StepRecord:
         """Log a step. A failed one (`error` set) computed nothing: it counts as a step
         and as busy time, but adds no tokens. `predicted_s` / `measured_s`: the step-cost
-        model's estimate and the runner's time, when both are known."""
+        model's estimate and the runner's time, when both are known; `compute_s` /
+        `host_s`: the step's computation and the iteration's host work around it."""
         if predicted_s > 0 and measured_s > 0 and error is None:
-            ratio = measured_s / predicted_s
-            self.prediction_sum += ratio
-            self.prediction_counts[next(i for i, le in enumerate(PREDICTION_BUCKETS)
-                                        if ratio <= le)] += 1
+            self.prediction.add(measured_s / predicted_s)
+        if error is None and (compute_s > 0 or host_s > 0):
+            self.host.add(host_s)
+            self.compute_s += compute_s
         plan, nd = batch.plan, batch.num_decode
         rec = StepRecord(
             index=self.steps, started_at=started_at, ended_at=ended_at,
             decoded=tuple(c.seq_id for c in plan.chunks[:nd]),
             prefilled=tuple((c.seq_id, len(c.token_ids)) for c in plan.chunks[nd:]),
             real_tokens=real_tokens, padded_tokens=padded_tokens, copies=len(plan.copies),
-            preempted=tuple(batch.preempted), error=error)
+            preempted=tuple(batch.preempted), error=error, predicted_s=predicted_s,
+            compute_s=compute_s, host_s=host_s)
         self.records.append(rec)
         self.steps += 1
         self.busy_s += ended_at - started_at
@@ -80,4 +106,5 @@ class StepLog:
         return dict(steps=self.steps, busy_s=self.busy_s, real_tokens=self.real_tokens,
                     padded_tokens=self.padded_tokens, prompt_tokens=self.prompt_tokens,
                     generation_tokens=self.generation_tokens,
-                    step_prediction=(list(self.prediction_counts), self.prediction_sum))
+                    step_prediction=self.prediction.snapshot(),
+                    step_host=self.host.snapshot(), compute_s=self.compute_s)

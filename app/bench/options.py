@@ -79,6 +79,21 @@ def _spawn(text: str) -> tuple[str, str]:
     return label, args
 
 
+def _seconds(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 0,0.1,0.2, got {text!r}")
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"targets must be >= 0, got {text!r}")
+    return out
+
+
+def itl_label(target: float) -> str:
+    """A sweep target's label for an ITL target (seconds; 0: off)."""
+    return "itl-off" if target == 0 else f"itl-{target * 1000:g}ms"
+
+
 def _ints(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.replace(",", " ").split()]
@@ -93,6 +108,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     """Flags that `bench` and `bench-sweep` share."""
     a = p.add_argument
     a("--seed", type=int, default=0, help="the workload's seed (default 0)")
+    a("--ramp-up", dest="ramp_up_s", type=float, default=0.0, metavar="S",
+      help="closed loop: start the streams evenly over S seconds instead of all at "
+           "once, so TTFT reflects a steady state rather than one burst (default 0)")
     a("--duration", dest="duration_s", metavar="S", type=float, help="seconds to send for")
     a("--requests", type=int, help="requests to send (default 100 if --duration is unset)")
     a("--warmup-requests", type=int, default=0,
@@ -137,9 +155,6 @@ def bench_parser() -> argparse.ArgumentParser:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=16,
                       help="closed loop: streams in flight (default 16)")
-    a("--ramp-up", dest="ramp_up_s", type=float, default=0.0, metavar="S",
-      help="closed loop: start the streams evenly over S seconds instead of all at "
-           "once, so TTFT reflects a steady state rather than one burst (default 0)")
     load.add_argument("--rate", type=float,
                       help="open loop: Poisson arrivals a second (overload: skips measuring)")
     _common(p)
@@ -174,6 +189,12 @@ def sweep_parser() -> argparse.ArgumentParser:
     a("--spawn", action="append", type=_spawn, default=[], metavar="LABEL:ARGS",
       help='start `sluice serve --host 127.0.0.1 --port P ARGS` for this target, e.g. '
            '"static:--scheduling static" (repeatable; one server at a time)')
+    a("--itl-targets", type=_seconds, metavar="S,S,...",
+      help="spawn one server per ITL target (`sluice serve --itl-target S SERVE_ARGS`; 0 = "
+           "off), e.g. 0,0.1,0.15,0.2,0.3, and chart latency, throughput and refusals "
+           "against the target")
+    a("--serve-args", default="", metavar="ARGS",
+      help="with --itl-targets: more `sluice serve` flags for each of those servers")
     a("--workload", choices=("shared-prefix", "mixed"), default="shared-prefix")
     a("--concurrencies", type=_ints, default=[1, 4, 8, 16, 32],
       help="comma-separated (default 1,4,8,16,32)")

@@ -6,6 +6,8 @@
 - `sweep_chart`: one line per target: output tokens/s against p95 TTFT and p95 ITL (the
   throughput-latency curve, each point a concurrency), and throughput and p95 latency
   against concurrency.
+- `itl_target_chart`: one point per ITL target (a server each) at one offered load:
+  achieved p95 ITL and TTFT, output tokens/s, and refusals against the target.
 """
 
 from __future__ import annotations
@@ -134,6 +136,51 @@ def sweep_chart(points: Mapping[str, Sequence[Mapping[str, Any]]], path: Path,
         ax.legend(fontsize=8)
     fig.suptitle(title + "  (point labels: concurrency)" if title else
                  "point labels: concurrency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def itl_target_chart(points: Mapping[float, Sequence[Mapping[str, Any]]], path: Path,
+                     title: str = "") -> Path:
+    """``points``: ITL target (s; 0 = off) -> one summary per concurrency. The target off
+    is drawn at the right edge, past the largest one."""
+    plt = _pyplot()
+    targets = sorted(t for t in points if t > 0)
+    off_x = (max(targets) * 1.3) if targets else 1.0
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.9))
+    levels = sorted({row["load"].get("concurrency") for rows in points.values()
+                     for row in rows})
+    for i, c in enumerate(levels):
+        xs, itl, ttft, tput, refused = [], [], [], [], []
+        for t in sorted(points, key=lambda t: off_x if t == 0 else t):
+            row = next((r for r in points[t] if r["load"].get("concurrency") == c), None)
+            if row is None:
+                continue
+            xs.append(off_x if t == 0 else t)
+            itl.append(row["itl_s"]["p95"] or float("nan"))
+            ttft.append(row["ttft_s"]["p95"] or float("nan"))
+            tput.append(row["throughput"]["output_tokens_per_s"])
+            req = row["requests"]
+            refused.append(req["rate_limited"] / max(1, req["total"]))
+        style = dict(marker="o", color=f"C{i}", label=f"concurrency {c}")
+        axes[0].plot(xs, itl, **style)
+        axes[1].plot(xs, ttft, **style)
+        axes[2].plot(xs, tput, **style)
+        axes[3].plot(xs, refused, **style)
+    lim = [0, off_x * 1.08]
+    axes[0].plot(lim, lim, ":", color="grey", label="achieved = target")
+    for ax, (name, unit) in zip(axes, (("p95 ITL", "s"), ("p95 TTFT", "s"),
+                                       ("output tokens/s", ""), ("refused (429) / sent", ""))):
+        ax.set(xlabel="ITL target (s)", ylabel=f"{name} ({unit})" if unit else name,
+               title=name, xlim=lim)
+        ticks = [*targets, off_x]
+        ax.set_xticks(ticks, [f"{t:g}" for t in targets] + ["off"])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

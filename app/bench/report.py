@@ -105,6 +105,14 @@ def print_table(summary: Mapping[str, Any]) -> None:
                 f"KV use mean {_pct(kv['mean'])} max {_pct(kv['max'])}, "
                 f"engine busy {_pct(server['engine_busy_fraction_run'])}, "
                 f"preemptions {server['preemptions']:.0f}")
+        ratio, host = server.get("step_time_prediction_ratio"), server.get("step_host_seconds")
+        if ratio:
+            c.print(f"step time measured/predicted p50 {ratio['p50']:.2f} p95 "
+                    f"{ratio['p95']:.2f} ({ratio['count']:.0f} steps)")
+        if host:
+            c.print(f"host work per step p50 {_ms(host['p50'])} ms p95 {_ms(host['p95'])} ms; "
+                    f"computation idle between steps "
+                    f"{_pct(server.get('device_idle_between_steps'))}")
     li = summary.get("long_interference")
     if li:
         c.print(f"long prompt TTFT {_ms(li['long']['ttft_s'])} ms; short p95 ITL before "

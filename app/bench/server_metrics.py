@@ -34,6 +34,8 @@ class Scrape:
     gauges: dict[str, list[float]] = field(default_factory=dict)  # name -> one per series
     series: dict[str, int] = field(default_factory=dict)  # sample name -> label sets
     rejected: dict[str, float] = field(default_factory=dict)  # reason -> refusals
+    # histogram family -> (cumulative count per upper bound, sum), summed over label sets
+    histograms: dict[str, tuple[dict[float, float], float]] = field(default_factory=dict)
 
 
 def parse(text: str) -> Scrape:
@@ -52,7 +54,41 @@ def parse(text: str) -> Scrape:
                     s.rejected[reason] = s.rejected.get(reason, 0.0) + sample.value
             elif fam.type == "gauge":
                 s.gauges.setdefault(sample.name, []).append(sample.value)
+            elif fam.type == "histogram":
+                buckets, total = s.histograms.get(fam.name, ({}, 0.0))
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+                elif sample.name.endswith("_sum"):
+                    total += sample.value
+                s.histograms[fam.name] = (buckets, total)
     return s
+
+
+def histogram_delta(first: Scrape, last: Scrape, name: str) -> dict[str, float] | None:
+    """p50, p95 (linear within buckets, as Prometheus' histogram_quantile) and mean of a
+    histogram's observations between two scrapes; None when there were none."""
+    b1, s1 = last.histograms.get(PREFIX + name, ({}, 0.0))
+    b0, s0 = first.histograms.get(PREFIX + name, ({}, 0.0))
+    bounds = sorted(b1)
+    cum = [b1[le] - b0.get(le, 0.0) for le in bounds]
+    if not cum or cum[-1] <= 0:
+        return None
+    count = cum[-1]
+
+    def quantile(q: float) -> float:
+        rank = q * count
+        lower, below = 0.0, 0.0
+        for le, c in zip(bounds, cum):
+            if c >= rank:
+                if le == float("inf"):
+                    return lower
+                return lower + (le - lower) * ((rank - below) / (c - below) if c > below else 1)
+            lower, below = le, c
+        return lower
+
+    return {"p50": quantile(0.5), "p95": quantile(0.95), "mean": (s1 - s0) / count,
+            "count": count}
 
 
 async def scrape(http: httpx.AsyncClient) -> Scrape | None:
@@ -124,6 +160,9 @@ class Sampler:
                     if busy_series and self.wall_s > 0 else None)
         real, padded = d("step_real_tokens"), d("step_padded_tokens")
         real_fraction = real / padded if padded else None
+        host = histogram_delta(self.first, self.last, "step_host_seconds")
+        compute = d("step_compute_seconds")
+        host_s = host["mean"] * host["count"] if host else 0.0
         return {
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "prefix_cache_hit_tokens": hits,
@@ -136,6 +175,15 @@ class Sampler:
             "real_token_fraction": real_fraction,
             "useful_busy_fraction": (busy_run * real_fraction
                                      if busy_run is not None and real_fraction else None),
+            # Measured / predicted step time (the step-cost model the ITL target plans with).
+            "step_time_prediction_ratio": histogram_delta(self.first, self.last,
+                                                          "step_time_prediction_ratio"),
+            # Host work per step around its computation, and the share of the engine's
+            # iterations the computation idles for it (between steps).
+            "step_host_seconds": host,
+            "step_compute_seconds": compute,
+            "device_idle_between_steps": (host_s / (host_s + compute)
+                                          if host_s + compute > 0 else None),
             "preemptions": d("num_preemptions"),
             "prompt_tokens": d("prompt_tokens"),
             "generation_tokens": d("generation_tokens"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
-from .options import config_from
+from .options import config_from, itl_label
 from .report import have_matplotlib, print_table, to_json, write_run
 from .run import BenchError, run_bench
 from .spawn import SpawnError, sluice_command, spawned
@@ -35,6 +35,7 @@ def headline(s: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p95_s": s["ttft_s"]["p95"],
         "itl_p95_s": s["itl_s"]["p95"], "e2e_p95_s": s["e2e_s"]["p95"],
         "ok": s["requests"]["ok"], "rate_limited": s["requests"]["rate_limited"],
+        "step_time_prediction_ratio": server.get("step_time_prediction_ratio"),
         "slo_attainment": s["slo"]["attainment"],
         "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
     }
@@ -93,10 +94,20 @@ async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             chart = sweep_chart(points, args.out / "sweep.png",
                                 f"{args.workload}, seed {args.seed}")
             result["files"].append(str(chart))
+            targets = {itl_label(t): t for t in args.itl_targets or ()}
+            if any(label in points for label in targets):
+                from .plots import itl_target_chart
+
+                chart = itl_target_chart(
+                    {t: points[label] for label, t in targets.items() if label in points},
+                    args.out / "itl_targets.png", f"{args.workload}, seed {args.seed}")
+                result["files"].append(str(chart))
     return result
 
 
 def check_labels(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for t in args.itl_targets or ():  # one spawned server per ITL target
+        args.spawn.append((itl_label(t), f"--itl-target {t:g} {args.serve_args}".strip()))
     labels = [label for label, _ in args.targets] + [label for label, _ in args.spawn]
     if not labels:
         p.error("give at least one LABEL=URL target or --spawn LABEL:ARGS")

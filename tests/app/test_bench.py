@@ -347,3 +347,23 @@ async def test_closed_loop_ramp_up_staggers_stream_starts(autojump_clock):
     t0 = trio.current_time()
     await closed_loop(FakeShooter(), lambda i: i, 4, requests=4, ramp_up_s=8.0)
     assert [round(t - t0, 6) for t in starts] == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_histograms_between_two_scrapes_give_percentiles():
+    from app.bench.server_metrics import histogram_delta, parse
+
+    def text(counts: list[int], total: float) -> str:
+        lines = ["# TYPE sluice:step_host_seconds histogram"]
+        for le, n in zip(("0.001", "0.01", "0.1", "+Inf"), counts):
+            lines.append(f'sluice:step_host_seconds_bucket{{le="{le}",pool="p"}} {n}')
+        lines += [f'sluice:step_host_seconds_count{{pool="p"}} {counts[-1]}',
+                  f'sluice:step_host_seconds_sum{{pool="p"}} {total}']
+        return "\n".join(lines) + "\n"
+
+    first = parse(text([5, 5, 5, 5], 0.004))  # earlier steps: not this run's
+    last = parse(text([5, 55, 105, 105], 0.004 + 100 * 0.01))
+    h = histogram_delta(first, last, "step_host_seconds")
+    assert h["count"] == 100 and h["mean"] == pytest.approx(0.01)
+    assert h["p50"] == pytest.approx(0.01)  # the 50th of 100 ends the (1 ms, 10 ms] bucket
+    assert h["p95"] == pytest.approx(0.01 + 0.09 * 0.9)
+    assert histogram_delta(first, first, "step_host_seconds") is None

@@ -94,9 +94,11 @@ async def test_stats_report_what_ran_and_agree_with_metrics():
                           r'pool="test"\} (\S+)', metrics)
         assert count and float(count.group(1)) == 6
         assert 'sluice:ttft_target_seconds{model="fake-model",pool="test"} 1.0' in metrics
-        assert 'sluice:itl_target_seconds{model="fake-model",pool="test"} 0.05' in metrics
-        assert 'sluice:step_time_prediction_ratio_bucket{le="+Inf",model="fake-model",' \
-               'pool="test"}' in metrics
+        assert 'sluice:itl_target_seconds{model="fake-model",pool="test"} 0.0' in metrics
+        for family in ("step_time_prediction_ratio", "step_host_seconds"):
+            assert f'sluice:{family}_bucket{{le="+Inf",model="fake-model",pool="test"}}' \
+                in metrics
+        assert 'sluice:step_compute_seconds_total{model="fake-model",pool="test"}' in metrics
         # steps_since: only what ran after
         last = rep["last_step_index"]
         again = (await c.get("/v1/stats", params={"steps_since": f"test/0:{last}"})).json()

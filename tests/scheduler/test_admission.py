@@ -30,6 +30,14 @@ class FakeQueries:
     prefill_token_s: float | None = None
     prefix_hit_rate: float = 0.0
     decode_step_s: float = 0.0  # a decode-only step's time, whatever its size
+    itl_capacity: int | None = None  # running slots an ITL target allows (None: max_running)
+
+    @property
+    def running_capacity(self) -> int:
+        return self.max_running if self.itl_capacity is None else self.itl_capacity
+
+    def prefill_seconds(self, tokens: float) -> float:
+        return tokens * (self.prefill_token_s or 0.0)
 
     def step_estimate(self, num_decode: int, prefill_tokens: int) -> float:
         decode = self.decode_step_s if num_decode else 0.0
@@ -82,9 +90,9 @@ def test_own_step_beside_the_running_decodes_tips_the_prediction_over():
     assert adm.expected_wait() == pytest.approx(4.1)
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(60)
-    assert e.value.reason == "queue_wait" and e.value.retry_after_s == pytest.approx(2.0)
+    assert e.value.reason == "ttft_target" and e.value.retry_after_s == pytest.approx(2.0)
     assert "5.2s exceeds 5s (queue wait 4.1s)" in str(e.value)
-    assert adm.rejections == {"queue_wait": 1}
+    assert adm.rejections == {"ttft_target": 1}
     # Half the prompt tokens served by the prefix cache: 4.05 s + 0.3 s + 0.5 s < 5 s.
     sched.prefix_hit_rate = 0.5
     adm.check_ttft(60)
@@ -165,7 +173,7 @@ def test_the_first_burst_is_predicted_from_warm_up_not_admitted_blind():
     assert adm.expected_wait() == pytest.approx(6.4)
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(20)
-    assert e.value.reason == "queue_wait"
+    assert e.value.reason == "ttft_target"
     # Answers measured shorter than the prior make the prediction shorter.
     for _ in range(40):
         adm.completed(clock(), 16)
@@ -206,14 +214,14 @@ def test_precheck_refuses_before_the_prompt_is_known():
     completions(adm, clock, 3, every_s=2.0)  # measured: a slot frees every 2 s
     with pytest.raises(Overloaded) as e:
         adm.precheck()  # a slot is 2 s away whatever the prompt
-    assert e.value.reason == "queue_wait"
+    assert e.value.reason == "ttft_target"
     sched.num_running = 2
     adm.precheck()  # free slots: the prompt decides, at the door proper
     sched.num_waiting = SchedulerConfig().max_waiting
     with pytest.raises(Overloaded) as e:
         adm.precheck()
     assert e.value.reason == "queue_full"
-    assert adm.rejections == {"queue_wait": 1, "queue_full": 1}
+    assert adm.rejections == {"ttft_target": 1, "queue_full": 1}
 
 
 def test_requests_still_being_tokenized_count_as_ahead():
@@ -224,7 +232,7 @@ def test_requests_still_being_tokenized_count_as_ahead():
     adm.precheck(pending=3)
     with pytest.raises(Overloaded) as e:
         adm.precheck(pending=4)
-    assert e.value.reason == "queue_wait"
+    assert e.value.reason == "ttft_target"
     sched.num_waiting = SchedulerConfig().max_waiting - 2
     with pytest.raises(Overloaded) as e:
         adm.precheck(pending=2)

@@ -8,7 +8,7 @@ from scheduler.step_cost import StepCostModel
 
 
 def model(**kw) -> StepCostModel:
-    args = dict(itl_target_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
+    args = dict(prefill_floor_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
     args.update(kw)
     return StepCostModel(**args)
 
@@ -27,7 +27,7 @@ def test_floor_until_a_prefill_step_was_measured():
 
 
 def test_budget_keeps_the_step_within_the_slowdown_bound():
-    m = model(itl_target_s=0.0)
+    m = model(prefill_floor_s=0.0)
     m.observe(4, 0, 0.030)
     m.observe(4, 32, 0.030 + 32 * 0.001)  # 1 ms a prefill token
     budget = m.prefill_budget(4)
@@ -36,8 +36,8 @@ def test_budget_keeps_the_step_within_the_slowdown_bound():
     assert m.prefill_budget(4) == 12
 
 
-def test_itl_target_gives_more_room_when_decoding_is_fast():
-    m = model(itl_target_s=0.05, min_prefill_tokens=1)
+def test_prefill_floor_gives_more_room_when_decoding_is_fast():
+    m = model(prefill_floor_s=0.05, min_prefill_tokens=1)
     m.observe(2, 0, 0.010)
     m.observe(2, 10, 0.020)  # 1 ms a token
     assert m.prefill_budget(2) == 40  # 50 ms target - 10 ms decode
@@ -68,7 +68,7 @@ def test_policy_caps_long_prompts_beside_decodes_but_prefills_short_ones_whole()
     cost = sim.sched.cost
     cost.observe(1, 0, 0.030)  # measured: decode-only 30 ms, 1 ms a prefill token
     cost.observe(1, 10, 0.040)
-    cost.itl_target_s = 0.0
+    cost.prefill_floor_s = 0.0
     budget = cost.prefill_budget(1)  # 30 ms * 0.4 / 1 ms = 12 tokens
     assert budget == 12
     long = sim.submit(range(100, 400))
@@ -84,7 +84,7 @@ def test_policy_caps_long_prompts_beside_decodes_but_prefills_short_ones_whole()
 
 
 def test_warm_up_figures_stand_in_until_a_real_step_replaces_them():
-    m = StepCostModel(itl_target_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
+    m = StepCostModel(prefill_floor_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
     m.seed(16, 0, 0.10)  # warm-up: a decode step of 16 rows
     m.seed(16, 256, 0.612)  # 16 rows beside 256 prompt tokens: 2 ms a token
     m.seed(0, 128, 0.30)  # ... another shape's figure joins the running average

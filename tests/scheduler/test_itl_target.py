@@ -1,0 +1,157 @@
+"""Planning every step within an ITL target (scheduler/policy.py, scheduler/step_cost.py),
+with the fake runner and a fake clock: each step "takes" what a synthetic cost function of
+its compiled shape and its attention work says, and the clock moves by that much."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.settings import SchedulerConfig
+from scheduler.admission import Admission
+from scheduler.api import GenerateRequest, Overloaded
+from scheduler.protocol import StepLimits
+from scheduler.step_cost import StepCostModel
+
+from .fake_runner import FakeRunner
+from .sim import Sim
+
+SHAPES = tuple((d, p) for d in (4, 8, 12, 16) for p in (0, 16, 32, 48, 64))
+LIMITS = StepLimits(max_decode_seqs=16, max_prefill_seqs=4, max_prefill_chunk=64,
+                    max_prefill_tokens=64, shapes=SHAPES, block_q=16)
+
+
+def seconds(shape: tuple[int, int], work: float) -> float:
+    """The synthetic step time: rows and padded prompt tokens of the shape, plus keys read."""
+    return 0.005 + 0.003 * shape[0] + 0.0012 * shape[1] + 4e-6 * work
+
+
+def trained(cost: StepCostModel) -> None:
+    """Two measurements of every shape at different contexts: the fit is then exact."""
+    for shape in SHAPES:
+        for work in (1_000, 20_000):
+            cost.observe(shape[0], shape[1], seconds(shape, work), shape=shape, work=work)
+
+
+class Driver:
+    """The engine loop's order (schedule, step, observe, commit, finish) on a fake clock."""
+
+    def __init__(self, itl: float = 0.1, **cfg) -> None:
+        self.runner = FakeRunner(limits=LIMITS, num_pages=8192, page_size=16, max_context=8192)
+        config = SchedulerConfig(itl_target_s=itl, max_running=16, max_step_tokens=16 + 64,
+                                 **cfg)
+        self.sim = Sim(self.runner, config)
+        self.sched = self.sim.sched
+        trained(self.sched.cost)
+        self.steps: list[tuple[float, float, int]] = []  # (predicted, taken, running)
+        self.ttft: dict[int, float] = {}
+
+    def step(self) -> bool:
+        sched, cost, clock = self.sched, self.sched.cost, self.sim.clock
+        batch = sched.schedule()
+        if batch is None:
+            return False
+        predicted = batch.predicted(cost)
+        shape = cost.shape_of(batch.num_decode, batch.prefill_padded)
+        taken = seconds(shape, batch.work)
+        result = self.runner.step(batch.plan)
+        sched.observe(batch, taken, shape)
+        clock.advance(taken)
+        self.steps.append((predicted, taken, len(sched.running)))
+        for seq, _ in sched.commit(batch, result):
+            if seq.num_generated == 1:
+                self.ttft[seq.seq_id] = clock() - seq.arrived_at
+            if seq.num_generated >= seq.max_tokens:
+                sched.finish(seq)
+        return True
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            if not self.step():
+                return
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(i * 31 + k) % 997 + 1 for k in range(n)]
+
+
+def test_no_planned_step_is_predicted_past_the_target():
+    d = Driver(itl=0.1)
+    for i in range(40):  # a crowd of questions, more than can run at once
+        d.sim.submit(prompt(i, 40 + 7 * (i % 9)), max_tokens=30 + i % 5)
+    d.run(2000)
+    assert all(seq.num_generated == seq.max_tokens for seq in d.sim.seqs.values())
+    predicted = [p for p, _, _ in d.steps]
+    assert max(predicted) <= 0.1 + 1e-9
+    # The predictions are the steps' real times (the synthetic cost is what it learned).
+    assert all(abs(p - t) < 1e-3 * t for p, t, _ in d.steps)
+    # Not a trivially small batch either: the target holds several streams at once.
+    assert max(r for _, _, r in d.steps) >= 8
+    assert d.sched.pages.num_in_use == 0
+
+
+def test_without_a_target_the_steps_run_past_it():
+    d = Driver(itl=0.0)
+    for i in range(40):
+        d.sim.submit(prompt(i, 40 + 7 * (i % 9)), max_tokens=30 + i % 5)
+    d.run(2000)
+    assert max(t for _, t, _ in d.steps) > 0.1  # what the target prevents
+
+
+def test_the_running_set_shrinks_as_contexts_grow():
+    d = Driver(itl=0.12, kv_reserve_pages=0)
+    for i in range(24):
+        d.sim.submit(prompt(i, 64), max_tokens=1200)
+    d.run(60)
+    early = max(r for _, _, r in d.steps)
+    d.run(1100)
+    late = d.steps[-1][2]
+    assert late < early
+    assert max(p for p, _, _ in d.steps) <= 0.12 + 1e-9
+    assert d.sched.num_preemptions > 0 or late < early  # shrunk by preemption or not refilling
+
+
+def test_a_question_is_split_across_steps_and_still_meets_its_ttft():
+    d = Driver(itl=0.1, ttft_target_s=1.0)
+    for i in range(6):  # six streams decoding
+        d.sim.submit(prompt(i, 20), max_tokens=400)
+    d.run(30)
+    q = d.sim.submit(prompt(99, 70), max_tokens=5)
+    before = len(d.steps)
+    while q.num_generated == 0:
+        assert d.step()
+    pieces = [len(c.token_ids) for plan in d.runner.plans[before:] for c in plan.chunks
+              if c.seq_id == q.seq_id]
+    assert len(pieces) >= 2 and sum(pieces) == 70  # spread over steps
+    assert d.ttft[q.seq_id] < 1.0
+    assert max(p for p, _, _ in d.steps[before:]) <= 0.1 + 1e-9
+
+
+def test_both_targets_infeasible_refuses_at_once_with_a_retry_after():
+    d = Driver(itl=0.1, ttft_target_s=0.5)
+    sched = d.sched
+    for i in range(20):
+        d.sim.submit(prompt(i, 64), max_tokens=300)
+    d.run(50)
+    cap = sched.running_capacity
+    assert 1 <= cap < sched.max_running  # the target, not max_running, holds the streams
+    assert sched.num_waiting > 0
+    adm = Admission(sched, sched.config, d.sim.clock, max_context=8192)
+    for _ in range(5):  # completions at a known pace: one every 2 s
+        d.sim.clock.advance(2.0)
+        adm.completed(d.sim.clock(), 300)
+    with pytest.raises(Overloaded) as e:
+        adm.check(GenerateRequest(prompt_ids=prompt(7, 64), max_tokens=50))
+    assert e.value.reason == "itl_target"
+    assert e.value.retry_after_s > 0.5
+    assert adm.rejections == {"itl_target": 1}
+
+
+def test_step_cost_fit_learns_a_shape_and_the_context_slope():
+    m = StepCostModel(itl_target_s=0.1, shapes=SHAPES, block_q=16)
+    assert m.shape_of(5, 17) == (8, 32) and m.shape_of(16, 64) == (16, 64)
+    assert m.predict(5, 32) == 0.0  # nothing measured: no limit
+    trained(m)
+    assert m.slope == pytest.approx(4e-6, rel=1e-3)  # the ridge shrinks it a hair
+    assert m.predict(5, 32, 5_000) == pytest.approx(seconds((8, 32), 5_000), rel=1e-4)
+    assert m.largest_prefill(8, 64) == 32  # 0.005 + 0.024 + 0.0384 + ... fits, 48 does not
+    assert m.fits(8, 32, 5_000) and not m.fits(16, 64, 5_000)
