@@ -137,7 +137,7 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     candidates: list[Pool] = []
     if batch is None:  # a refusal needs no tokenizing or template rendering
         candidates = state.router.candidates(req.model)  # type: ignore[union-attr]
-        _precheck(candidates)
+        _precheck(candidates, p.max_tokens)
     with _tokenizing(candidates):
         pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
 
@@ -224,12 +224,13 @@ def _tokenizing(pools: list[Pool]) -> Iterator[None]:
             p.admitting -= 1
 
 
-def _precheck(pools: list[Pool]) -> None:
-    """429 at once when every pool that could serve the model would refuse any request."""
+def _precheck(pools: list[Pool], max_tokens: int | None) -> None:
+    """429 at once when every pool that could serve the model would refuse any request
+    asking for `max_tokens` (the body's; None: not given)."""
     refusal: Overloaded | None = None
     for pool in pools:
         try:
-            return pool.precheck()
+            return pool.precheck(max_tokens)
         except EngineDead:
             continue  # the submit says so, or another pool serves it
         except Overloaded as e:

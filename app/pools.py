@@ -112,7 +112,7 @@ class Pool:
             raise refusal
         raise EngineDead(f"every engine of pool {self.name!r} has stopped")
 
-    def precheck(self) -> None:
+    def precheck(self, max_tokens: int | None = None) -> None:
         """Raise `Overloaded` (the soonest Retry-After) when every live replica would refuse
         even a one-token request now, counting those already past this check and still
         being tokenized (`admitting`, spread over the replicas); `EngineDead` when none is
@@ -121,7 +121,7 @@ class Pool:
         pending = -(-self.admitting // max(1, len(self.engines)))
         for engine in self.engines:
             try:
-                engine.precheck(pending)
+                engine.precheck(pending, max_tokens)
                 return
             except EngineDead:
                 continue

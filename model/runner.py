@@ -76,6 +76,7 @@ class ModelRunner:
         adapter_slots: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        time_all_shapes: bool = False,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -133,6 +134,9 @@ class ModelRunner:
         # scheduler's step-cost estimates before any request ran (appended by the thread
         # that compiles; the engine reads what is there).
         self.warmup_times: list[tuple[int, int, float]] = []
+        # Time every shape's warm-up run, not just those admission needs (a pool with an
+        # ITL target plans each step from each shape's own time).
+        self.time_all_shapes = time_all_shapes
         self.programs = Programs(self.buckets(), self._build)
 
     @classmethod
@@ -146,7 +150,8 @@ class ModelRunner:
                    max_prefill_seqs=pool.max_prefill_seqs, dtype=pool.dtype,
                    attention=None if pool.attention == "auto" else pool.attention,
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
-                   max_cpu_loras=pool.max_cpu_loras)
+                   max_cpu_loras=pool.max_cpu_loras,
+                   time_all_shapes=pool.scheduler.itl_target_s > 0)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -276,7 +281,7 @@ class ModelRunner:
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
                     logits, *self._sampling_args(kind, rows, [])))
-        if b.pf_tokens not in (0, max(self.prefill_buckets)):
+        if not self.time_all_shapes and b.pf_tokens not in (0, max(self.prefill_buckets)):
             self._steps[b] = step
             return
         # Once more, timed (the first run's extra cost is gone): the step-cost estimate

@@ -15,7 +15,10 @@ should the client retry?
 
 The prediction is built from what the scheduler has measured, read through the narrow
 `SchedulerQueries` API (`policy.Scheduler` implements it): the running and waiting counts,
-the tokens waiting, the step-cost model's estimates and the prefix cache's hit rate.
+the prompt tokens waiting that are not expected to hit the prefix cache (each judged
+when it was queued: the cache then, and the prompts queued or running ahead of it, so
+the first burst after start, which all carries one system prompt, counts it once), and
+the step-cost model's estimates.
 The engine passes when the step in flight is expected to end. The only state kept here
 is what the engine reports: when requests completed (for the completion rate behind
 Retry-After), and the refusal counts `EngineStats.rejections` shows.
@@ -69,6 +72,10 @@ class SchedulerQueries(Protocol):
     @property
     def prefix_hit_rate(self) -> float: ...
 
+    # Prompt tokens the waiting interactive requests will compute (cache hits excluded).
+    @property
+    def waiting_uncached_tokens(self) -> int: ...
+
     def step_estimate(self, num_decode: int, prefill_tokens: int) -> float: ...
 
     # Sequences that may run at once now (`max_running`, or fewer under an ITL target),
@@ -114,10 +121,12 @@ class Admission:
         return Overloaded(reason, retry_after_s, message)
 
     # -- the door ----------------------------------------------------------------------
-    def check(self, req: GenerateRequest, *, step_ends_at: float | None = None) -> None:
+    def check(self, req: GenerateRequest, *, step_ends_at: float | None = None,
+              uncached: int | None = None) -> None:
         """Raise ValueError for a request this replica can never serve, `Overloaded` for
         one it should not queue now; return to let it in. `step_ends_at`: when the step
-        in flight is expected to end (None: no step in flight)."""
+        in flight is expected to end (None: no step in flight); `uncached`: the prompt
+        tokens it would compute (None: judged from the cache's hit rate so far)."""
         self.validate(req)
         sched, cfg = self.scheduler, self.config
         prompt_tokens = len(req.prompt_ids)
@@ -134,21 +143,23 @@ class Admission:
             # max_tokens (a burst of similar requests), nor more than the prior.
             self._answer_hint = req.max_tokens
             try:
-                self.check_ttft(prompt_tokens, step_ends_at=step_ends_at)
+                self.check_ttft(prompt_tokens, step_ends_at=step_ends_at, uncached=uncached)
             finally:
                 self._answer_hint = None
 
-    def precheck(self, *, step_ends_at: float | None = None, pending: int = 0) -> None:
+    def precheck(self, *, step_ends_at: float | None = None, pending: int = 0,
+                 max_tokens: int | None = None) -> None:
         """Raise `Overloaded` if an interactive request of one token would be refused now
         (the queue is full, or the wait alone misses the TTFT target): the server can
         answer 429 before tokenizing or templating anything. `pending`: requests past
-        this check and not yet submitted (still being tokenized), which will be ahead."""
+        this check and not yet submitted (still being tokenized), which will be ahead;
+        `max_tokens`: the body's (None: none given, so the context left, which the
+        prior's answer length bounds), judged as the door proper will judge it, so the
+        precheck never refuses what the door would admit."""
         sched, cfg = self.scheduler, self.config
         if sched.num_waiting - sched.batch_waiting + pending >= cfg.max_waiting:
             raise self.refuse("queue_full", self.ticket(self.retry_after()))
-        # Without the request's max_tokens, a slot's wait is judged only on a measured
-        # completion rate: the precheck never refuses what the door proper would admit.
-        self._answer_hint = 0
+        self._answer_hint = max_tokens
         try:
             self.check_ttft(1, step_ends_at=step_ends_at, pending=pending)
         finally:
@@ -173,10 +184,10 @@ class Admission:
                              f"in this replica's KV cache ({num_pages} pages of {page_size})")
 
     def check_ttft(self, prompt_tokens: int, *, step_ends_at: float | None = None,
-                   pending: int = 0) -> None:
+                   pending: int = 0, uncached: int | None = None) -> None:
         """Refuse a request whose first token would likely come later than
         `ttft_target_s`: the expected wait for the work ahead of it, plus its own step
-        (its prompt, less the cache's recent hit rate, at the measured cost of a prefill
+        (its prompt's tokens not expected to hit the cache, at the measured cost of a prefill
         token, beside the running decodes at their measured step time). A prompt too long
         to meet the target even alone is judged on the wait alone: it is served when the
         replica has room, however long its prefill takes. Retry-After is the wait."""
@@ -187,8 +198,9 @@ class Admission:
         if wait is None or wait <= 0.0:
             return
         sched = self.scheduler
-        own = (self.prefill_estimate(prompt_tokens)
-               + sched.step_estimate(sched.num_running - sched.batch_running, 0))
+        prefill = (self.prefill_estimate(prompt_tokens) if uncached is None
+                   else sched.prefill_seconds(uncached) if sched.prefill_token_s else 0.0)
+        own = prefill + sched.step_estimate(sched.num_running - sched.batch_running, 0)
         ttft = wait + own if own <= target else wait
         if ttft > target:
             retry = self.ticket(self._drain_time(ttft - target, pending))
@@ -207,8 +219,8 @@ class Admission:
                       pending: int = 0) -> float | None:
         """Seconds before a new request would likely start its prefill, counting the
         work ahead of it: requests waiting beyond the free running slots (over the recent
-        completion rate), the tokens waiting ahead of it (discounted by the prefix-cache
-        hit rate) at the measured cost of a prefill token, and what is left of the step in
+        completion rate), the prompt tokens waiting ahead of it that will not hit the
+        prefix cache at the measured cost of a prefill token, and what is left of the step in
         flight (expected to end at `step_ends_at`). Prompts already running are not ahead
         of it: their chunks share steps with newcomers (a 6,000-token prefill in progress
         does not delay a short question's admission), nor are batch jobs (they give way).
@@ -221,8 +233,7 @@ class Admission:
         elif (rate := self.service_rate()) is not None:
             wait = ahead / rate
         if sched.prefill_token_s:
-            wait = (wait or 0.0) + self.prefill_estimate(
-                sched.waiting_tokens - sched.batch_waiting_tokens)
+            wait = (wait or 0.0) + sched.prefill_seconds(sched.waiting_uncached_tokens)
         if wait is not None and wait > 0.0 and step_ends_at is not None:
             wait += max(0.0, step_ends_at - self.clock())  # the step in flight
         return wait

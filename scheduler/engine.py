@@ -102,14 +102,15 @@ class Engine:
     def alive(self) -> bool:
         return self._alive
 
-    def precheck(self, pending: int = 0) -> None:
-        """Raise `Overloaded` (or `EngineDead`) if even the shortest request would be
-        refused now, `pending` more being tokenized: the server answers 429 before
-        tokenizing anything."""
+    def precheck(self, pending: int = 0, max_tokens: int | None = None) -> None:
+        """Raise `Overloaded` (or `EngineDead`) if even the shortest request asking for
+        `max_tokens` (None: not said) would be refused now, `pending` more being
+        tokenized: the server answers 429 before tokenizing anything."""
         if not self._alive:
             raise EngineDead(f"engine {self.name!r} is dead")
         self._seed_costs()
-        self.admission.precheck(step_ends_at=self._step_ends_at, pending=pending)
+        self.admission.precheck(step_ends_at=self._step_ends_at, pending=pending,
+                                max_tokens=max_tokens)
 
     def _seed_costs(self) -> None:
         """The runner's timed warm-up runs, as they come, into the step-cost model."""
@@ -129,17 +130,19 @@ class Engine:
         if req.adapter is not None and not self.runner.adapter_slots:
             raise ValueError(f"adapter {req.adapter!r}: this model has no adapter slots")
         self._seed_costs()
-        self.admission.check(req, step_ends_at=self._step_ends_at)
-
         now = self.clock()
         request_id = req.request_id or uuid.uuid4().hex
-        if request_id in self._seqs:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
         cfg = self.config
         deadline = cfg.queue_deadline_s if req.deadline_s is None else req.deadline_s
+        # Built first (no id yet) so the door can look its prompt up in the prefix cache.
+        seq = Sequence(req, request_id=request_id, seq_id=-1, arrived_at=now,
+                       deadline_at=now + deadline, arrival_order=self._arrivals + 1)
+        self.admission.check(req, step_ends_at=self._step_ends_at,
+                             uncached=self.scheduler.expected_uncached(seq))
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
         self._arrivals += 1
-        seq = Sequence(req, request_id=request_id, seq_id=self._new_seq_id(), arrived_at=now,
-                       deadline_at=now + deadline, arrival_order=self._arrivals)
+        seq.seq_id = self._new_seq_id()
         send, recv = trio.open_memory_channel(EVENT_BUFFER)
         stop_ids = frozenset(req.stop_token_ids)
         if not req.ignore_eos:

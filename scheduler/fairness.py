@@ -47,6 +47,7 @@ class FairQueue:
         self.num_tokens = 0  # tokens of waiting sequences (the queue's token bound)
         self.num_interactive = 0
         self.num_batch_tokens = 0  # of those tokens, batch jobs'
+        self.num_uncached = 0  # interactive sequences' `uncached_tokens`: their prefill work
 
     def __len__(self) -> int:
         return self.num_waiting
@@ -117,6 +118,7 @@ class FairQueue:
         self.num_tokens += d * len(seq.token_ids)
         if not seq.batch:
             self.num_interactive += d
+            self.num_uncached += d * seq.uncached_tokens
         else:
             self.num_batch_tokens += d * len(seq.token_ids)
         t = seq.tenant

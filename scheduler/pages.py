@@ -29,7 +29,7 @@ runner executes before any chunk of that step.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Iterable
+from typing import Container, Iterable
 
 from .request import Phase, Sequence
 
@@ -190,6 +190,21 @@ class PageAllocator:
                 break  # a hash collision: never serve someone else's K/V
             hits.append(page)
         return hits
+
+    def expected_hits(self, seq: Sequence, promised: Container[int] = ()) -> int:
+        """Tokens of `seq`'s prompt that are likely to be cached when it runs: its leading
+        full pages whose keys are in the cache now or among `promised` (pages a sequence
+        queued or running ahead of it will have computed). An estimate for admission: no
+        references taken, no collision check."""
+        if not self.prefix_cache:
+            return 0
+        n = 0
+        for i in range(seq.num_prompt_tokens // self.page_size):
+            key = self.page_key(seq, i)
+            if key not in self._page_of_key and key not in promised:
+                break
+            n += 1
+        return n * self.page_size
 
     def prefix_in_flight(self, seq: Sequence, num_hits: int,
                          running: Iterable[Sequence]) -> bool:

@@ -111,11 +111,20 @@ class Scheduler:
         # `_decode_slot`): the running set follows from the target and the contexts.
         self.itl_target = self.cost.itl_target_s
         self.answer_tokens = _PRIOR_ANSWER_TOKENS  # running average of finished answers
+        # Prompt page keys of the live sequences, counted: a request queued behind another
+        # with the same system prompt will find it cached (`expected_uncached`).
+        self._promised: dict[int, int] = {}
         self.background = BackgroundShare(config, self.cost)  # batch jobs' share
 
     # -- the queue's side ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.phase = Phase.QUEUED
+        seq.uncached_tokens = self.expected_uncached(seq)
+        if self.config.prefix_cache:
+            promised = self._promised
+            for i in range(seq.num_prompt_tokens // self.pages.page_size):
+                key = self.pages.page_key(seq, i)
+                promised[key] = promised.get(key, 0) + 1
         self.waiting.push(seq)
         if seq.adapter is not None:
             self.adapters.added(seq.adapter)
@@ -151,6 +160,18 @@ class Scheduler:
     @property
     def batch_waiting_tokens(self) -> int:
         return self.waiting.num_batch_tokens
+
+    @property
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens the interactive requests waiting will have to compute (the prefix
+        cache and the prompts ahead of each counted when it was queued)."""
+        return self.waiting.num_uncached
+
+    def expected_uncached(self, seq: Sequence) -> int:
+        """Prompt tokens `seq` would have to compute if queued now: those neither in the
+        prefix cache nor in a prompt queued or running ahead of it (at least one: the
+        last position is always computed, for its logits)."""
+        return max(1, seq.num_prompt_tokens - self.pages.expected_hits(seq, self._promised))
 
     @property
     def prefill_token_s(self) -> float | None:  # measured; None before a prefill step
@@ -259,7 +280,8 @@ class Scheduler:
             n = budget if rest <= short else min(budget, soft)
             room = batch_prefill() if seq.batch else None
             n = n if room is None else min(n, room)
-            return self._room(batch, seq, n) if self.itl_target else n
+            # With no stream decoding, no token gap is at stake: the step may be long.
+            return self._room(batch, seq, n) if self.itl_target and num_decode else n
 
         slots = lim.max_prefill_seqs
         for seq in order:
@@ -394,8 +416,8 @@ class Scheduler:
     def _room(self, batch: Batch, seq: Sequence, most: int) -> int:
         """The most prompt tokens of `seq` (up to `most`) that this step can take and
         still be predicted within the ITL target: a question may be spread over several
-        steps. A chunk that does not end the prompt ends on a query block. A step that
-        would otherwise carry nothing takes one block, so a prompt always moves."""
+        steps. A chunk that does not end the prompt ends on a query block. The step's
+        first chunk takes at least one block, so a prompt always moves."""
         cost = self.cost
         start = seq.num_computed_tokens
         nd, pf, work = batch.num_decode, batch.prefill_padded, batch.work
@@ -406,7 +428,11 @@ class Scheduler:
         if most <= 0:
             return 0
         if not fits(1):
-            return min(most, cost.block_q) if not batch.seqs else 0
+            # Nothing fits. The step's first prompt chunk still takes one block: a running
+            # prompt, admitted when the prediction left room for it, must not be stranded
+            # because a step turned out slower than predicted (the target is a plan; this
+            # exceeds it only after a misprediction), nor may a step carry nothing.
+            return min(most, cost.block_q) if batch.prefill_padded == 0 else 0
         lo, hi = 1, most
         while lo < hi:  # the largest n that fits (the prediction grows with n)
             mid = (lo + hi + 1) // 2
@@ -573,6 +599,14 @@ class Scheduler:
         elif seq.phase is Phase.QUEUED:
             self.waiting.remove(seq)
         seq.phase = Phase.DONE
+        if self._promised:
+            promised = self._promised
+            for key in seq.page_keys[:seq.num_prompt_tokens // self.pages.page_size]:
+                n = promised.get(key, 0) - 1
+                if n > 0:
+                    promised[key] = n
+                else:
+                    promised.pop(key, None)
         if seq.num_generated and not seq.aborted:
             self.answer_tokens += 0.1 * (seq.num_generated - self.answer_tokens)
         if seq.adapter is not None and self.adapters.ended(seq.adapter):

@@ -41,7 +41,7 @@ class Sequence:
         "prompt_ids", "token_ids", "output_ids", "max_tokens",
         "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
         "adapter", "adapter_slot",
-        "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens",
+        "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
         "finished_at", "finish_reason", "num_preemptions", "aborted", "output",
@@ -79,6 +79,9 @@ class Sequence:
         self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admit)
+        # Prompt tokens expected to need computing, judged when it was queued (prefix cache
+        # and the prompts queued or running before it): what its prefill will cost.
+        self.uncached_tokens = len(self.prompt_ids)
         self.num_charged_tokens = 0  # fair-share high-water mark: recompute is not charged
         self.arrived_at = arrived_at
         self.arrival_order = arrival_order  # ties in arrived_at (coarse or fake clocks)

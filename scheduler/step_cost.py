@@ -17,9 +17,11 @@ each query reads (``work``: the sum over chunks of each token's context length).
 model keeps, per shape, exponentially weighted means and (co)variances of (work, seconds),
 and one slope shared by all shapes fitted within shapes (a fixed-effects regression; ridge
 towards 0 while the contexts barely vary): ``predict = mean_s(shape) + slope * (work -
-mean_work(shape))``. A shape never measured is estimated from the coarse model below at
-its padded size (decode-only time by number of rows, plus a marginal cost per prefill
-token), which the warm-up's timed runs seed before any request ran.
+mean_work(shape))``. A shape the warm-up timed (every shape, in a pool with an ITL
+target) starts from that figure; one never measured is estimated from the coarse model
+below at its padded size (decode-only time by number of rows, plus a marginal cost per
+prefill token, seeded by the warm-up too). The first real step of a shape replaces its
+seed: the warm-up ran it on a dummy context.
 
 Pure Python, no clocks of its own: the engine reports each step's duration.
 """
@@ -42,7 +44,8 @@ def chunk_work(start: int, n: int) -> int:
 class _ShapeFit:
     """Exponentially weighted (work, seconds) statistics of one compiled shape."""
 
-    n: int = 0
+    n: int = 0  # real steps measured (0 with only a warm-up seed)
+    seeded: bool = False  # `seconds` is the warm-up's figure (replaced by the first step)
     work: float = 0.0
     seconds: float = 0.0
     var_work: float = 0.0
@@ -50,7 +53,7 @@ class _ShapeFit:
 
     def add(self, work: float, seconds: float) -> None:
         if self.n == 0:
-            self.work, self.seconds = work, seconds
+            self.work, self.seconds, self.seeded = work, seconds, False
         else:
             dx, dy = work - self.work, seconds - self.seconds
             self.work += _ALPHA * dx
@@ -124,6 +127,9 @@ class StepCostModel:
         `prefill_tokens` prompt tokens): an estimate from the first second, before any
         request ran, so admission can predict the first burst like any later one. A real
         step of the same kind replaces it; a shape already measured for real ignores it."""
+        shape = (num_decode, prefill_tokens)
+        if shape not in self._fits:  # this shape's own figure, until it runs for real
+            self._fits[shape] = _ShapeFit(seconds=seconds, seeded=True)
         if prefill_tokens == 0:
             if num_decode and num_decode not in self._decode_s:
                 self._decode_s[num_decode] = seconds
@@ -171,8 +177,8 @@ class StepCostModel:
             return 0.0
         shape = self.shape_of(num_decode, prefill_padded)
         fit = self._fits.get(shape)
-        if fit is not None and fit.n:
-            if work is None:
+        if fit is not None and (fit.n or fit.seeded):
+            if work is None or not fit.n:
                 return fit.seconds
             return max(0.0, fit.seconds + self.slope * (work - fit.work))
         return self.estimate(shape[0], shape[1])

@@ -36,6 +36,10 @@ class FakeQueries:
     def running_capacity(self) -> int:
         return self.max_running if self.itl_capacity is None else self.itl_capacity
 
+    @property
+    def waiting_uncached_tokens(self) -> float:  # as the hit rate so far would have it
+        return (self.waiting_tokens - self.batch_waiting_tokens) * (1.0 - self.prefix_hit_rate)
+
     def prefill_seconds(self, tokens: float) -> float:
         return tokens * (self.prefill_token_s or 0.0)
 
@@ -208,9 +212,13 @@ def test_a_refused_burst_is_told_to_come_back_one_service_interval_apart():
 def test_precheck_refuses_before_the_prompt_is_known():
     adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4,
                              decode_step_s=0.1)
-    # Warm-up figures alone: the wait depends on the answer's length, which the request
-    # (not yet read) says; the door proper decides.
-    adm.precheck()
+    # Warm-up figures alone: the wait depends on the answers' length, judged from the
+    # body's max_tokens (as the door proper will judge it): 4 answers of 4 tokens at
+    # 0.1 s a step free a slot in 0.1 s; of the prior's 256 tokens, in 6.4 s.
+    adm.precheck(max_tokens=4)
+    with pytest.raises(Overloaded):
+        adm.precheck()
+    adm.rejections.clear()
     completions(adm, clock, 3, every_s=2.0)  # measured: a slot frees every 2 s
     with pytest.raises(Overloaded) as e:
         adm.precheck()  # a slot is 2 s away whatever the prompt

@@ -449,7 +449,10 @@ async def test_warm_up_times_make_the_first_burst_predictable():
     assert e.value.reason == "ttft_target" and e.value.retry_after_s > 1.0
     # Short answers (4 tokens: a slot in 0.2 s) are expected to fit.
     eng.submit(GenerateRequest(prompt_ids=prompt(4, 4), max_tokens=4))
-    eng.precheck()  # (before the request is read, only a measured rate refuses)
+    # Before the prompt is tokenized, the body's max_tokens is judged the same way.
+    eng.precheck(max_tokens=4)
+    with pytest.raises(Overloaded):
+        eng.precheck()  # none given: an answer of the prior's length (256 tokens)
 
 
 async def test_step_time_prediction_error_is_counted():

@@ -155,3 +155,37 @@ def test_step_cost_fit_learns_a_shape_and_the_context_slope():
     assert m.predict(5, 32, 5_000) == pytest.approx(seconds((8, 32), 5_000), rel=1e-4)
     assert m.largest_prefill(8, 64) == 32  # 0.005 + 0.024 + 0.0384 + ... fits, 48 does not
     assert m.fits(8, 32, 5_000) and not m.fits(16, 64, 5_000)
+
+
+def test_warm_up_seeds_each_shape_until_it_runs_for_real():
+    m = StepCostModel(itl_target_s=0.1, shapes=SHAPES, block_q=16)
+    m.seed(4, 0, 0.05)
+    m.seed(4, 16, 0.149)  # a small chunk costs more a token than the coarse model says
+    m.seed(16, 64, 0.4)
+    assert m.predict(3, 16) == pytest.approx(0.149) and not m.fits(2, 16)
+    assert m.predict(3, 16, 123_456) == pytest.approx(0.149)  # a seed's context is unknown
+    m.observe(3, 10, 0.12, shape=(4, 16), work=5_000)  # the first real step replaces it
+    assert m.predict(4, 16) == pytest.approx(0.12) and m.fits(2, 16)
+    # A shape with neither seed nor step: the coarse model at its padded size.
+    assert m.predict(8, 32) == pytest.approx(m.estimate(8, 32))
+
+
+def test_a_running_prompt_is_never_stranded_by_a_slower_step_than_predicted():
+    """Admitted when the prediction left room beside the decodes; then the steps turn out
+    slower and nothing fits beside them: its chunks still go, one block a step."""
+    d = Driver(itl=0.1)
+    for i in range(4):
+        d.sim.submit(prompt(i, 20), max_tokens=300)
+    d.run(40)
+    q = d.sim.submit(prompt(99, 64), max_tokens=5)
+    d.step()
+    assert q.is_running
+    cost = d.sched.cost
+    for shape in SHAPES:  # every step now predicted at 0.2 s: nothing fits 0.1 s
+        cost.observe(shape[0], shape[1], 0.2, shape=shape, work=1_000)
+        cost._fits[shape] = type(cost._fits[shape])(n=1, seconds=0.2, work=1_000)
+    steps = 0
+    while q.num_generated == 0:
+        assert d.step()
+        steps += 1
+    assert steps <= 4  # 16 tokens a step

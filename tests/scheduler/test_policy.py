@@ -284,3 +284,26 @@ def test_prefix_cache_off_shares_nothing():
     assert b.num_cached_tokens == 0 and sim.sched.pages.num_cached == 0
     assert a.output_ids == b.output_ids == runner.reference(p, 4)
     assert not any(batch.plan.copies for batch in sim.batches)
+
+
+def test_queued_prompts_count_a_shared_prefix_once():
+    """A burst that carries one system prompt: the first request will compute it, the
+    ones queued behind it will find it cached. The queue's prefill work (what admission
+    predicts the wait from) counts it once, before anything ran or was cached."""
+    runner = FakeRunner(limits=LIMITS, page_size=4, num_pages=1024)
+    sim = Sim(runner, SchedulerConfig(max_step_tokens=32))
+    system = prompt(200, base=3)
+    seqs = [sim.submit(system + prompt(10, base=50 + i), max_tokens=3) for i in range(5)]
+    assert seqs[0].uncached_tokens == 210
+    # Each later one: only its own 10 tokens.
+    assert all(s.uncached_tokens == 10 for s in seqs[1:])
+    assert sim.sched.waiting_uncached_tokens == 210 + 4 * 10
+    other = sim.submit(prompt(30, base=90), max_tokens=3)
+    assert other.uncached_tokens == 30
+    sim.run()
+    assert sim.sched.waiting_uncached_tokens == 0 and not sim.sched._promised
+    # Afterwards the cache holds it: a newcomer is judged on what it would compute.
+    late = sim.submit(system + prompt(12, base=77), max_tokens=3)
+    assert late.uncached_tokens == 12
+    sim.run()
+    assert sim.sched.pages.num_in_use == 0
