@@ -72,9 +72,13 @@ class SchedulerQueries(Protocol):
     @property
     def prefix_hit_rate(self) -> float: ...
 
-    # Prompt tokens the waiting interactive requests will compute (cache hits excluded).
+    # Prompt tokens the waiting interactive requests will compute (cache hits excluded),
+    # and those running prompts still have to compute ahead of a newcomer's (ITL target).
     @property
     def waiting_uncached_tokens(self) -> int: ...
+
+    @property
+    def prefill_backlog(self) -> int: ...
 
     def step_estimate(self, num_decode: int, prefill_tokens: int) -> float: ...
 
@@ -223,7 +227,9 @@ class Admission:
         prefix cache at the measured cost of a prefill token, and what is left of the step in
         flight (expected to end at `step_ends_at`). Prompts already running are not ahead
         of it: their chunks share steps with newcomers (a 6,000-token prefill in progress
-        does not delay a short question's admission), nor are batch jobs (they give way).
+        does not delay a short question's admission), unless an ITL target leaves each
+        step only a little room for prompts (`prefill_backlog`); nor are batch jobs (they
+        give way).
         None when there is no estimate yet (the count bound still applies)."""
         sched = self.scheduler
         wait: float | None = None
@@ -233,7 +239,8 @@ class Admission:
         elif (rate := self.service_rate()) is not None:
             wait = ahead / rate
         if sched.prefill_token_s:
-            wait = (wait or 0.0) + sched.prefill_seconds(sched.waiting_uncached_tokens)
+            wait = (wait or 0.0) + sched.prefill_seconds(
+                sched.waiting_uncached_tokens + sched.prefill_backlog)
         if wait is not None and wait > 0.0 and step_ends_at is not None:
             wait += max(0.0, step_ends_at - self.clock())  # the step in flight
         return wait

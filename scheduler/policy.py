@@ -167,6 +167,16 @@ class Scheduler:
         cache and the prompts ahead of each counted when it was queued)."""
         return self.waiting.num_uncached
 
+    @property
+    def prefill_backlog(self) -> int:
+        """Under an ITL target, the prompt tokens running sequences still have to prefill:
+        they take the little room a step has beside the decodes before a newcomer does
+        (without a target a step's budget is large and a short prompt goes in whole: 0)."""
+        if not self.itl_target:
+            return 0
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.running.values()
+                   if s.phase is Phase.PREFILL)
+
     def expected_uncached(self, seq: Sequence) -> int:
         """Prompt tokens `seq` would have to compute if queued now: those neither in the
         prefix cache nor in a prompt queued or running ahead of it (at least one: the

@@ -36,6 +36,8 @@ class FakeQueries:
     def running_capacity(self) -> int:
         return self.max_running if self.itl_capacity is None else self.itl_capacity
 
+    prefill_backlog: int = 0
+
     @property
     def waiting_uncached_tokens(self) -> float:  # as the hit rate so far would have it
         return (self.waiting_tokens - self.batch_waiting_tokens) * (1.0 - self.prefix_hit_rate)

@@ -192,3 +192,25 @@ def test_a_running_prompt_is_never_stranded_by_a_slower_step_than_predicted():
         assert d.step()
         steps += 1
     assert steps <= 4  # 16 tokens a step
+
+
+def test_running_prompts_under_a_target_are_ahead_of_a_newcomer():
+    """Beside the decodes a step has little room for prompts, and the running ones take
+    it first: a newcomer's first token waits for them (without a target it would not)."""
+    d = Driver(itl=0.1, ttft_target_s=1.0)
+    for i in range(3):
+        d.sim.submit(prompt(i, 20), max_tokens=400)
+    d.run(20)
+    for i in range(2):
+        d.sim.submit(prompt(10 + i, 400), max_tokens=50)
+    d.step()
+    sched = d.sched
+    assert sched.num_running == 5 and sched.num_waiting == 0  # nothing queued
+    assert sched.running_capacity > 5  # and a slot free
+    assert sched.prefill_backlog > 700
+    adm = Admission(sched, sched.config, d.sim.clock, max_context=8192)
+    with pytest.raises(Overloaded) as e:
+        adm.check(GenerateRequest(prompt_ids=prompt(50, 40), max_tokens=20))
+    assert e.value.reason == "ttft_target" and e.value.retry_after_s > 0
+    sched.itl_target = 0.0  # without a target: a short prompt goes in whole, not behind
+    assert sched.prefill_backlog == 0
