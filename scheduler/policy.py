@@ -54,6 +54,8 @@ from .step_cost import StepCostModel, chunk_work
 # What an answer is expected to add to its context before any has finished here ("a few
 # hundred tokens"); the finished ones' running average replaces it.
 _PRIOR_ANSWER_TOKENS = 256.0
+# The share of the ITL target the door keeps in hand when it counts running slots.
+_CAPACITY_MARGIN = 0.1
 
 
 @dataclass(slots=True)
@@ -203,17 +205,21 @@ class Scheduler:
 
     @property
     def running_capacity(self) -> int:
-        """Sequences that may run at once now: `max_running`, or under an ITL target as
-        many as leave a step within it (room for a minimal prompt chunk beside their
-        decodes) at the contexts the running ones are expected to reach; at least 1."""
+        """Sequences that may run at once now, as admission promises them: `max_running`,
+        or under an ITL target as many as leave a step within it, less a margin
+        (`_CAPACITY_MARGIN`), with room for a minimal prompt chunk beside their decodes,
+        at the contexts the running ones are expected to reach; at least 1. The margin:
+        a step time that hovers at the target must not make the door promise a slot that
+        the next step's plan (`_decode_slot`, at the target itself) then withholds."""
         if not self.itl_target:
             return self.max_running
         running = list(self.running.values())
         ctx = (sum(map(self.expected_context, running)) / len(running) if running
                else self.answer_tokens)
         chunk = self.cost.padded(self.config.min_prefill_tokens)
+        limit = self.itl_target * (1.0 - _CAPACITY_MARGIN)
         for k in range(self.max_running, 1, -1):
-            if self.cost.fits(k, chunk, k * ctx + chunk_work(int(ctx), chunk)):
+            if self.cost.predict(k, chunk, k * ctx + chunk_work(int(ctx), chunk)) <= limit:
                 return k
         return 1
 

@@ -18,10 +18,12 @@ model keeps, per shape, exponentially weighted means and (co)variances of (work,
 and one slope shared by all shapes fitted within shapes (a fixed-effects regression; ridge
 towards 0 while the contexts barely vary): ``predict = mean_s(shape) + slope * (work -
 mean_work(shape))``. A shape the warm-up timed (every shape, in a pool with an ITL
-target) starts from that figure; one never measured is estimated from the coarse model
-below at its padded size (decode-only time by number of rows, plus a marginal cost per
-prefill token, seeded by the warm-up too). The first real step of a shape replaces its
-seed: the warm-up ran it on a dummy context.
+target) starts from that figure, scaled by how the shapes that have run compare with
+their own warm-up figures (the warm-up ran each on a dummy context: a shape the plan
+never chooses because its seed looks too slow would otherwise never be corrected); one
+never measured is estimated from the coarse model below at its padded size (decode-only
+time by number of rows, plus a marginal cost per prefill token, seeded by the warm-up
+too). The first real step of a shape replaces its seed.
 
 Pure Python, no clocks of its own: the engine reports each step's duration.
 """
@@ -46,6 +48,7 @@ class _ShapeFit:
 
     n: int = 0  # real steps measured (0 with only a warm-up seed)
     seeded: bool = False  # `seconds` is the warm-up's figure (replaced by the first step)
+    seed: float = 0.0  # the warm-up's figure (0: none), kept to calibrate the others
     work: float = 0.0
     seconds: float = 0.0
     var_work: float = 0.0
@@ -81,6 +84,10 @@ class StepCostModel:
         # until the first real step of their kind replaces them outright.
         self._seeded: set[int] = set()
         self._prefill_seeded = False
+        # Measured / warm-up time of the shapes that ran: the warm-up ran each shape on a
+        # dummy context (every row its own 2,048 keys), so a shape that has not run yet
+        # is predicted at its seed times what the others turned out to be.
+        self._seed_ratio: float | None = None
 
     # -- the coarse model: decode time by rows, one prefill token's marginal cost --------
     def decode_time(self, num_decode: int) -> float | None:
@@ -104,7 +111,12 @@ class StepCostModel:
         """A step ran: `num_decode` decode rows and `prefill_tokens` prompt tokens (real,
         not padded) in compiled `shape` (None: not known), reading `work` keys."""
         if shape is not None:
-            self._fits.setdefault(tuple(shape), _ShapeFit()).add(work, seconds)
+            fit = self._fits.setdefault(tuple(shape), _ShapeFit())
+            if fit.seed > 0:  # how the warm-up's figures compare with real steps
+                ratio = min(4.0, max(0.25, seconds / fit.seed))
+                old = self._seed_ratio
+                self._seed_ratio = ratio if old is None else old + _ALPHA * (ratio - old)
+            fit.add(work, seconds)
         if prefill_tokens == 0:
             if num_decode:
                 old = self._decode_s.get(num_decode)
@@ -129,7 +141,7 @@ class StepCostModel:
         step of the same kind replaces it; a shape already measured for real ignores it."""
         shape = (num_decode, prefill_tokens)
         if shape not in self._fits:  # this shape's own figure, until it runs for real
-            self._fits[shape] = _ShapeFit(seconds=seconds, seeded=True)
+            self._fits[shape] = _ShapeFit(seconds=seconds, seeded=True, seed=seconds)
         if prefill_tokens == 0:
             if num_decode and num_decode not in self._decode_s:
                 self._decode_s[num_decode] = seconds
@@ -178,7 +190,9 @@ class StepCostModel:
         shape = self.shape_of(num_decode, prefill_padded)
         fit = self._fits.get(shape)
         if fit is not None and (fit.n or fit.seeded):
-            if work is None or not fit.n:
+            if not fit.n:
+                return fit.seconds * (self._seed_ratio or 1.0)
+            if work is None:
                 return fit.seconds
             return max(0.0, fit.seconds + self.slope * (work - fit.work))
         return self.estimate(shape[0], shape[1])

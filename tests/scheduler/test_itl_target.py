@@ -214,3 +214,15 @@ def test_running_prompts_under_a_target_are_ahead_of_a_newcomer():
     assert e.value.reason == "ttft_target" and e.value.retry_after_s > 0
     sched.itl_target = 0.0  # without a target: a short prompt goes in whole, not behind
     assert sched.prefill_backlog == 0
+
+
+def test_seeds_are_scaled_by_how_the_shapes_that_ran_compare_with_theirs():
+    """The warm-up ran every shape on a dummy context; a shape the plan avoids because its
+    seed looks too slow would never run to correct it: the ones that did run say by how
+    much the seeds are off."""
+    m = StepCostModel(itl_target_s=0.1, shapes=SHAPES, block_q=16)
+    m.seed(4, 0, 0.10)
+    m.seed(4, 16, 0.16)
+    assert not m.fits(4, 16)
+    m.observe(4, 0, 0.05, shape=(4, 0), work=1_000)  # real decode steps: half the seed
+    assert m.predict(4, 16) == pytest.approx(0.08) and m.fits(4, 16)
