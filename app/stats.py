@@ -283,7 +283,8 @@ def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sam
                   r.error is not None)
              for r in records]
     return ReplicaStats(i, s.alive, s.running, s.waiting, s.oldest_waiting_age_s, _kv([s]),
-                        (s.busy_s - then) / span if span > 0 else None, steps, s.steps - 1)
+                        (s.busy_s - then) / span if span > 0 else None, steps, s.steps - 1,
+                        s.running_capacity)
 
 
 def _kv(stats: list) -> KvPages:

@@ -64,6 +64,7 @@ class ReplicaStats(msgspec.Struct):
     busy_fraction: float | None  # over the window: time inside steps / wall time
     steps: list[Step]  # newest last; only those after `steps_since`, at most 240
     last_step_index: int
+    running_capacity: int = 0  # may run at once now (max_running, or fewer: the ITL target)
 
 
 class PoolStats(msgspec.Struct):

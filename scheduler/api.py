@@ -108,6 +108,7 @@ class EngineStats:
     step_prediction: tuple[list[int], float] = field(default_factory=lambda: ([], 0.0))
     # Host seconds per step around the computation: counts per step_log.HOST_BUCKETS, sum.
     step_host: tuple[list[int], float] = field(default_factory=lambda: ([], 0.0))
+    running_capacity: int = 0  # sequences that may run at once now (fewer under an ITL target)
     compute_s: float = 0.0  # seconds the steps computed (busy_s less host work)
 
     @property

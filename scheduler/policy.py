@@ -218,10 +218,14 @@ class Scheduler:
                else self.answer_tokens)
         chunk = self.cost.padded(self.config.min_prefill_tokens)
         limit = self.itl_target * (1.0 - _CAPACITY_MARGIN)
-        for k in range(self.max_running, 1, -1):
-            if self.cost.predict(k, chunk, k * ctx + chunk_work(int(ctx), chunk)) <= limit:
-                return k
-        return 1
+        # Upwards, stopping at the first that does not fit: the running set grows one at
+        # a time (`_decode_slot`), so a bigger shape that looks cheap (a warm-up figure not
+        # yet corrected) is no capacity while a smaller one in between is over.
+        k = 1
+        while k < self.max_running and self.cost.predict(
+                k + 1, chunk, (k + 1) * ctx + chunk_work(int(ctx), chunk)) <= limit:
+            k += 1
+        return k
 
     def prefill_seconds(self, tokens: float) -> float:
         """Seconds a prompt of `tokens` uncached tokens takes to prefill: at the measured
@@ -246,6 +250,7 @@ class Scheduler:
         oldest = self.waiting.oldest_queued_at()
         return dict(
             running=self.num_running, waiting=self.num_waiting,
+            running_capacity=self.running_capacity,
             oldest_waiting_age_s=max(0.0, now - oldest) if oldest is not None else 0.0,
             kv_pages_total=pages.num_usable, kv_pages_in_use=pages.num_in_use,
             kv_pages_cached=pages.num_cached, kv_pages_free=pages.num_free,

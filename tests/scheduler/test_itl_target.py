@@ -226,3 +226,14 @@ def test_seeds_are_scaled_by_how_the_shapes_that_ran_compare_with_theirs():
     assert not m.fits(4, 16)
     m.observe(4, 0, 0.05, shape=(4, 0), work=1_000)  # real decode steps: half the seed
     assert m.predict(4, 16) == pytest.approx(0.08) and m.fits(4, 16)
+
+
+def test_capacity_counts_up_and_stops_at_the_first_step_over_the_target():
+    d = Driver(itl=0.1)
+    cost, sched = d.sched.cost, d.sched
+    assert sched.running_capacity > 1
+    for shape in SHAPES:
+        if shape[0] == 4 and shape[1]:  # a step of 2-4 streams and a chunk: over
+            cost._fits[shape] = type(cost._fits[shape])(n=1, seconds=0.2, work=1_000)
+    # (16, 16) still looks cheap, but the running set can only grow through 2, 3, 4.
+    assert cost.fits(16, 16, 1_000) and sched.running_capacity == 1
