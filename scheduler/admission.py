@@ -126,11 +126,13 @@ class Admission:
 
     # -- the door ----------------------------------------------------------------------
     def check(self, req: GenerateRequest, *, step_ends_at: float | None = None,
-              uncached: int | None = None) -> None:
+              uncached: int | None = None, prefix_wait: int = 0) -> None:
         """Raise ValueError for a request this replica can never serve, `Overloaded` for
         one it should not queue now; return to let it in. `step_ends_at`: when the step
         in flight is expected to end (None: no step in flight); `uncached`: the prompt
-        tokens it would compute (None: judged from the cache's hit rate so far)."""
+        tokens it would compute (None: judged from the cache's hit rate so far);
+        `prefix_wait`: prompt tokens a running prefill must compute before the prefix
+        this request shares with it is cached (it waits for them)."""
         self.validate(req)
         sched, cfg = self.scheduler, self.config
         prompt_tokens = len(req.prompt_ids)
@@ -147,7 +149,8 @@ class Admission:
             # max_tokens (a burst of similar requests), nor more than the prior.
             self._answer_hint = req.max_tokens
             try:
-                self.check_ttft(prompt_tokens, step_ends_at=step_ends_at, uncached=uncached)
+                self.check_ttft(prompt_tokens, step_ends_at=step_ends_at, uncached=uncached,
+                                prefix_wait=prefix_wait)
             finally:
                 self._answer_hint = None
 
@@ -188,7 +191,8 @@ class Admission:
                              f"in this replica's KV cache ({num_pages} pages of {page_size})")
 
     def check_ttft(self, prompt_tokens: int, *, step_ends_at: float | None = None,
-                   pending: int = 0, uncached: int | None = None) -> None:
+                   pending: int = 0, uncached: int | None = None,
+                   prefix_wait: int = 0) -> None:
         """Refuse a request whose first token would likely come later than
         `ttft_target_s`: the expected wait for the work ahead of it, plus its own step
         (its prompt's tokens not expected to hit the cache, at the measured cost of a prefill
@@ -199,6 +203,9 @@ class Admission:
         if target <= 0:
             return  # admission by predicted TTFT is off
         wait = self.expected_wait(step_ends_at=step_ends_at, pending=pending)
+        if prefix_wait and self.scheduler.prefill_token_s:
+            # It cannot start before the prefix it shares with a running prefill is in.
+            wait = max(wait or 0.0, self.scheduler.prefill_seconds(prefix_wait))
         if wait is None or wait <= 0.0:
             return
         sched = self.scheduler

@@ -138,7 +138,8 @@ class Engine:
         seq = Sequence(req, request_id=request_id, seq_id=-1, arrived_at=now,
                        deadline_at=now + deadline, arrival_order=self._arrivals + 1)
         self.admission.check(req, step_ends_at=self._step_ends_at,
-                             uncached=self.scheduler.expected_uncached(seq))
+                             uncached=self.scheduler.expected_uncached(seq),
+                             prefix_wait=self.scheduler.prefix_wait_tokens(seq))
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._arrivals += 1

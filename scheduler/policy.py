@@ -29,9 +29,16 @@
 Static mode gathers up to `static_batch_size` sequences when nothing runs, and admits no
 one else until they have all finished: the baseline continuous batching is compared to.
 
+With an ITL target (`itl_target_s`), every step that carries a decode is planned within it
+(`_fit_decodes`, `_room`, `_decode_slot`; the predictions are `step_cost.py`'s), and the
+queries admission reads (`running_capacity`, `prefill_seconds`, `prefill_backlog`) say
+what the target allows.
+
 Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
-to ~460 lines: the whole per-iteration policy, read in one place; the arithmetic of the
-batch share and of adapter residency lives in background.py and adapters.py.)
+to ~660 lines: the whole per-iteration policy and the queries admission reads of it; the
+arithmetic of the batch share, of adapter residency and of step costs lives in
+background.py, adapters.py and step_cost.py. The ITL planning and the queries are the
+next to move out, into a module of their own, when this file is touched again.)
 """
 
 from __future__ import annotations
@@ -178,6 +185,25 @@ class Scheduler:
             return 0
         return sum(s.num_tokens - s.num_computed_tokens for s in self.running.values()
                    if s.phase is Phase.PREFILL)
+
+    def prefix_wait_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens a running prefill must still compute before `seq` can use the
+        prefix they share (a burst that carries one system prompt: the first request
+        computes it, the others wait for it, `PageAllocator.prefix_in_flight`)."""
+        if not self.config.prefix_cache:
+            return 0
+        ps, pages, most = self.pages.page_size, self.pages, 0
+        full = seq.num_prompt_tokens // ps
+        for other in self.running.values():
+            if other.phase is not Phase.PREFILL or other.cache_salt != seq.cache_salt:
+                continue
+            shared = 0
+            for i in range(min(full, other.num_prompt_tokens // ps)):
+                if pages.page_key(seq, i) != pages.page_key(other, i):
+                    break
+                shared = i + 1
+            most = max(most, shared * ps - other.num_computed_tokens)
+        return most
 
     def expected_uncached(self, seq: Sequence) -> int:
         """Prompt tokens `seq` would have to compute if queued now: those neither in the

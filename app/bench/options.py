@@ -79,14 +79,19 @@ def _spawn(text: str) -> tuple[str, str]:
     return label, args
 
 
-def _seconds(text: str) -> list[float]:
+def _numbers(text: str, kind: type, low: float, example: str, what: str) -> list:
+    """A comma- or space-separated list of `kind`, each at least `low` (argparse type)."""
     try:
-        out = [float(x) for x in text.replace(",", " ").split()]
+        out = [kind(x) for x in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds like 0,0.1,0.2, got {text!r}")
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"targets must be >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
+    if not out or min(out) < low:
+        raise argparse.ArgumentTypeError(f"{what} must be >= {low}, got {text!r}")
     return out
+
+
+def _seconds(text: str) -> list[float]:
+    return _numbers(text, float, 0, "seconds like 0,0.1,0.2", "targets")
 
 
 def itl_label(target: float) -> str:
@@ -95,13 +100,7 @@ def itl_label(target: float) -> str:
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,4,8, got {text!r}")
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"concurrencies must be >= 1, got {text!r}")
-    return out
+    return _numbers(text, int, 1, "numbers like 1,4,8", "concurrencies")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -307,3 +307,23 @@ def test_queued_prompts_count_a_shared_prefix_once():
     assert late.uncached_tokens == 12
     sim.run()
     assert sim.sched.pages.num_in_use == 0
+
+
+def test_a_request_sharing_a_prefix_being_computed_waits_for_it():
+    runner = FakeRunner(limits=LIMITS, page_size=4, num_pages=1024)
+    sim = Sim(runner, SchedulerConfig(max_step_tokens=32))
+    system = prompt(200, base=3)
+    first = sim.submit(system + prompt(10, base=50), max_tokens=3)
+    sim.step()  # admitted, its first chunk computed
+    assert 0 < first.num_computed_tokens < 200
+    from scheduler.api import GenerateRequest
+    from scheduler.request import Sequence
+
+    later = Sequence(GenerateRequest(prompt_ids=system + prompt(9, base=60), max_tokens=3),
+                     request_id="x", seq_id=99, arrived_at=0.0, deadline_at=1e9)
+    assert sim.sched.prefix_wait_tokens(later) == 200 - first.num_computed_tokens
+    stranger = Sequence(GenerateRequest(prompt_ids=prompt(50, base=11), max_tokens=3),
+                        request_id="y", seq_id=98, arrived_at=0.0, deadline_at=1e9)
+    assert sim.sched.prefix_wait_tokens(stranger) == 0
+    sim.run()
+    assert sim.sched.prefix_wait_tokens(later) == 0  # computed, cached: nothing to wait for
