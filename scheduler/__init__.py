@@ -10,6 +10,8 @@ Module map (read in this order):
 - `fairness`: `FairQueue`, priority classes, per-tenant FIFOs and fair share.
 - `policy`: `Scheduler.schedule()`, the per-iteration plan; preemption by recompute; the
   narrow queries (counts, cost estimates, cache hit rate) everything else reads.
+- `step_cost`: `StepCostModel`, step times learned per compiled shape and context.
+- `itl_plan`: planning every step within the ITL target (a mixin of `Scheduler`).
 - `admission`: `Admission`, the door: queue bounds, predicted TTFT, Retry-After.
 - `output`: `OutputStream`, incremental text, stop strings, coalescing.
 - `step_log`: `StepRecord`s and the step totals behind `EngineStats`.

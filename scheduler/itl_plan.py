@@ -1,0 +1,148 @@
+"""Planning under an ITL target: the part of the policy (`policy.Scheduler`) that keeps every
+step that carries a stream's next token within `itl_target_s`, and what admission reads of
+it. A mixin of `Scheduler`, kept apart so the per-iteration policy reads in one place.
+
+- `_fit_decodes`: when the decodes alone are predicted past the target (contexts grew), the
+  least urgent decoding sequences are preempted until the rest fit;
+- `_room`: how many prompt tokens of a sequence still fit beside what the step carries;
+- `_decode_slot`: whether one more sequence may join the running set (a step of all of
+  them at their expected contexts must keep room for a minimal prompt chunk);
+- `running_capacity`, `prefill_seconds`, `prefill_backlog`: the door's view of the same.
+
+Predictions are `step_cost.StepCostModel`'s; docs/operations.md, "The ITL target".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .request import Phase, Sequence
+from .step_cost import chunk_work
+
+if TYPE_CHECKING:
+    from .policy import Batch
+
+# What an answer is expected to add to its context before any has finished here ("a few
+# hundred tokens"); the finished ones' running average replaces it.
+PRIOR_ANSWER_TOKENS = 256.0
+# The share of the ITL target the door keeps in hand when it counts running slots.
+_CAPACITY_MARGIN = 0.1
+
+
+class ItlPlanning:
+    """Mixed into `policy.Scheduler`, whose state it reads (`cost`, `running`, `config`,
+    `limits`, `max_running`, `itl_target`, `answer_tokens`) and whose `_preempt` it calls."""
+
+    @property
+    def prefill_backlog(self) -> int:
+        """Under an ITL target, the prompt tokens running sequences still have to prefill:
+        they take the little room a step has beside the decodes before a newcomer does
+        (without a target a step's budget is large and a short prompt goes in whole: 0)."""
+        if not self.itl_target:
+            return 0
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.running.values()
+                   if s.phase is Phase.PREFILL)
+
+    @property
+    def running_capacity(self) -> int:
+        """Sequences that may run at once now, as admission promises them: `max_running`,
+        or under an ITL target as many as leave a step within it, less a margin
+        (`_CAPACITY_MARGIN`), with room for a minimal prompt chunk beside their decodes,
+        at the contexts the running ones are expected to reach; at least 1. The margin:
+        a step time that hovers at the target must not make the door promise a slot that
+        the next step's plan (`_decode_slot`, at the target itself) then withholds."""
+        if not self.itl_target:
+            return self.max_running
+        running = list(self.running.values())
+        ctx = (sum(map(self.expected_context, running)) / len(running) if running
+               else self.answer_tokens)
+        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        limit = self.itl_target * (1.0 - _CAPACITY_MARGIN)
+        # Upwards, stopping at the first that does not fit: the running set grows one at
+        # a time (`_decode_slot`), so a bigger shape that looks cheap (a warm-up figure not
+        # yet corrected) is no capacity while a smaller one in between is over.
+        k = 1
+        while k < self.max_running and self.cost.predict(
+                k + 1, chunk, (k + 1) * ctx + chunk_work(int(ctx), chunk)) <= limit:
+            k += 1
+        return k
+
+    def prefill_seconds(self, tokens: float) -> float:
+        """Seconds a prompt of `tokens` uncached tokens takes to prefill: at the measured
+        cost of a token, or under an ITL target at the pace of the chunks that fit beside
+        the decodes of a full running set, one step each."""
+        cost = self.cost
+        alone = tokens * (cost.prefill_token_s or 0.0)
+        if not self.itl_target or tokens <= 0:
+            return alone
+        nd = max(0, self.running_capacity - 1)
+        chunk = cost.largest_prefill(nd, self.limits.max_prefill_tokens) or cost.block_q
+        steps = math.ceil(tokens / chunk)
+        return max(alone, steps * cost.predict(nd, cost.padded(min(chunk, math.ceil(tokens)))))
+
+    def _fit_decodes(self, order: list[Sequence], batch: Batch) -> list[Sequence]:
+        """When the decodes alone are predicted past the ITL target (their contexts
+        grew), the least urgent decoding sequences are preempted (recomputed later, their
+        full pages kept in the prefix cache) until the rest fit; one always stays. Returns
+        `order` without them."""
+        decoding = [s for s in order if s.phase is Phase.DECODE]
+        work = sum(len(s.token_ids) for s in decoding)  # a decode row reads its context
+        cut = False
+        while len(decoding) > 1 and not self.cost.fits(len(decoding), 0, work):
+            victim = decoding.pop()
+            work -= len(victim.token_ids)
+            self._preempt(victim, batch)
+            cut = True
+        return [s for s in order if s.is_running] if cut else order
+
+    def _room(self, batch: Batch, seq: Sequence, most: int) -> int:
+        """The most prompt tokens of `seq` (up to `most`) that this step can take and
+        still be predicted within the ITL target: a question may be spread over several
+        steps. A chunk that does not end the prompt ends on a query block. The step's
+        first chunk takes at least one block, so a prompt always moves."""
+        cost = self.cost
+        start = seq.num_computed_tokens
+        nd, pf, work = batch.num_decode, batch.prefill_padded, batch.work
+
+        def fits(n: int) -> bool:
+            return cost.fits(nd, pf + cost.padded(n), work + chunk_work(start, n))
+
+        if most <= 0:
+            return 0
+        if not fits(1):
+            # Nothing fits. The step's first prompt chunk still takes one block: a running
+            # prompt, admitted when the prediction left room for it, must not be stranded
+            # because a step turned out slower than predicted (the target is a plan; this
+            # exceeds it only after a misprediction), nor may a step carry nothing.
+            return min(most, cost.block_q) if batch.prefill_padded == 0 else 0
+        lo, hi = 1, most
+        while lo < hi:  # the largest n that fits (the prediction grows with n)
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        bq = cost.block_q
+        if lo < seq.num_tokens - start and lo >= bq:
+            lo -= lo % bq
+        return lo
+
+    def expected_context(self, seq: Sequence) -> float:
+        """Tokens `seq`'s context is expected to reach: its prompt and an answer of the
+        average length so far (within its max_tokens, at least what it has)."""
+        answer = min(seq.max_tokens, max(seq.num_generated, self.answer_tokens))
+        return seq.num_prompt_tokens + answer
+
+    def _decode_slot(self, seq: Sequence) -> bool:
+        """Under an ITL target, whether `seq` may join the running set: the decode step
+        of every running sequence and it, at the contexts they are expected to reach,
+        must still leave room for a minimal prompt chunk within the target (else the
+        next newcomer could never be prefilled). With nothing running, always."""
+        if not self.itl_target or not self.running:
+            return True
+        work = sum(map(self.expected_context, self.running.values()))
+        work += self.expected_context(seq)
+        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        return self.cost.fits(len(self.running) + 1, chunk,
+                              work + chunk_work(seq.num_prompt_tokens, chunk))
