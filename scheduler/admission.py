@@ -209,8 +209,10 @@ class Admission:
         if wait is None or wait <= 0.0:
             return
         sched = self.scheduler
-        prefill = (self.prefill_estimate(prompt_tokens) if uncached is None
-                   else sched.prefill_seconds(uncached) if sched.prefill_token_s else 0.0)
+        # Without its own count, the prompt is discounted by the cache's hit rate so far.
+        tokens = (prompt_tokens * (1.0 - sched.prefix_hit_rate) if uncached is None
+                  else uncached)
+        prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
         own = prefill + sched.step_estimate(sched.num_running - sched.batch_running, 0)
         ttft = wait + own if own <= target else wait
         if ttft > target:
@@ -269,13 +271,6 @@ class Admission:
             return max(excess_s, math.ceil(excess_s * rate - 1e-9) / rate)
         return excess_s
 
-    def prefill_estimate(self, tokens: float) -> float:
-        """Seconds to prefill `tokens` prompt tokens, discounted by the prefix cache's
-        hit rate so far, at the measured per-token cost (0 before any is measured)."""
-        if not self.scheduler.prefill_token_s:
-            return 0.0
-        return self.scheduler.prefill_seconds(tokens * (1.0 - self.scheduler.prefix_hit_rate))
-
     def completion_rate(self) -> float | None:
         """Requests completed per second over the last minute; None with too few."""
         now = self.clock()
@@ -288,15 +283,14 @@ class Admission:
 
     def service_rate(self) -> float | None:
         """Requests this replica completes per second: measured over the last minute,
-        else predicted from the step costs (warm-up measures every shape): `max_running`
-        answers of the average length decoding at the step time of a full batch. None
-        when neither is known (the queue bounds still apply)."""
+        else predicted from the step costs (warm-up measures every shape): as many answers
+        as may run at once (`running_capacity`), of the average length (at most the
+        request's max_tokens), decoding at that batch's step time. None when neither is
+        known (the queue bounds still apply)."""
         rate = self.completion_rate()
         if rate is not None:
             return rate
-        hint = self._answer_hint  # the request at the door's max_tokens; 0: no prediction
-        if hint == 0:
-            return None
+        hint = self._answer_hint  # the max_tokens of the request at the door (None: none)
         sched = self.scheduler
         cap = sched.running_capacity
         step = sched.step_estimate(cap, 0)
