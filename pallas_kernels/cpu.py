@@ -3,15 +3,16 @@
 Everything here exists because of how XLA:CPU spends its time, and none of it leaks into
 the model or the runner (docs/architecture.md, "Attention backends"):
 
-- cascade metadata: the page-table prefix most rows of a group share (the rows whose
-  tables start like most do; the others walk their own tables), found on the host each
-  step, so that the system prompt is read once per step, not once per row;
-- the prefix copy (`PrefixCopy`): that prefix's keys and values kept gathered in a
-  contiguous per-layer array, refilled only when the shared prefix changes (gathering its
-  pages every step cost as much as the attention matmuls over them);
-- row groups: decode rows in groups of 8, prefill blocks in halving groups, each group
-  walking its own pages only as far as its longest row (the runner sorts rows longest
-  first).
+- cascade metadata: the page-table prefixes rows share (a system prompt; one per adapter
+  or customer when several are served at once: up to `max_prefixes` in a decode group),
+  found on the host each step, so that each is read once per segment of rows, not once
+  per row;
+- the prefix copy (`PrefixCopy`): those prefixes' keys and values kept gathered in
+  contiguous per-layer arrays, one slot per prefix, refilled only when a prefix changes
+  (gathering its pages every step cost as much as the attention matmuls over them);
+- row groups: rows sorted by the length of their own walk (after their prefix), decode
+  rows in groups of 8 and prefill blocks in halving groups, each group walking its own
+  pages only as far as its longest row.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ class CascadeMeta(NamedTuple):
     page_tables: np.ndarray  # [rows, width] int32, width a multiple of the block sizes
     context_lens: np.ndarray  # [rows] int32
     query_lens: np.ndarray  # [rows] int32
-    shared_pages: np.ndarray  # [width] int32: the table prefix the sharing rows have
-    shared_len: np.ndarray  # [] int32: its tokens (0: none)
-    buffered_len: np.ndarray  # [] int32: how much of it the prefix copy holds
-    shared_rows: np.ndarray  # [rows] int32: 1 for the rows that share it
+    shared_pages: np.ndarray  # [prefixes, width] int32: table prefixes rows share
+    shared_len: np.ndarray  # [prefixes] int32: their tokens (0: unused)
+    buffered_len: np.ndarray  # [prefixes] int32: how much of each the prefix copy holds
+    copy_at: np.ndarray  # [prefixes] int32: where in the copy (tokens)
+    shared_rows: np.ndarray  # [rows] int32: 1 + the index of the row's prefix, 0: none
+    segments: tuple  # ([1, rows], [n, segment_rows]) int32: rows read together against
+    #   their prefix (`rows`: none), one wide segment and (decode) narrow ones
     order: np.ndarray  # [rows] int32: row i of the tables above is the group's row order[i]
 
 
@@ -42,7 +46,9 @@ class CpuBackend(AttentionBackend):
 
     def __init__(self, pool: PoolLayout, *, pages_per_block: int = 8,
                  shared_pages_per_block: int = 64, decode_rows_per_group: int = 8,
-                 group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048) -> None:
+                 group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048,
+                 max_prefixes: int = 4, segment_rows: int = 4,
+                 prefix_copies: int = 4) -> None:
         super().__init__(pool)
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align
@@ -50,9 +56,11 @@ class CpuBackend(AttentionBackend):
         self.shared_pages_per_block = min(shared_pages_per_block, self.width)
         self.decode_rows_per_group = decode_rows_per_group
         self.group_prefill_blocks = group_prefill_blocks
+        self.max_prefixes = max(1, max_prefixes)
+        self.segment_rows = max(1, segment_rows)
         self.copy = None
-        if prefix_copy_tokens > 0:
-            self.copy = PrefixCopy(pool, prefix_copy_tokens,
+        if prefix_copy_tokens > 0 and prefix_copies > 0:
+            self.copy = PrefixCopy(pool, prefix_copy_tokens, slots=prefix_copies,
                                    block_tokens=self.shared_pages_per_block * pool.page_size)
 
     @property
@@ -62,139 +70,213 @@ class CpuBackend(AttentionBackend):
 
     def describe(self) -> dict:
         return {"attention": self.name,
-                "prefix_copy_tokens": self.copy.tokens if self.copy else 0}
+                "prefix_copy_tokens": self.copy.tokens if self.copy else 0,
+                "prefix_copies": self.copy.slots if self.copy else 0,
+                "max_prefixes": self.max_prefixes}
 
     # -- host side --------------------------------------------------------------------------
-    def metadata(self, group: GroupLayout, buffered: int = 0) -> CascadeMeta:
-        """The cascade's plan for one group. In a decode group, the rows that share the
-        prefix most tables start with go first and take the cascade; the others (another
-        prefix: a batch job's, another adapter's) walk their own tables after them, when
-        that walks fewer keys than no cascade would (row groups walk as far as their
-        longest row). Otherwise only a prefix every row has is shared."""
+    def metadata(self, group: GroupLayout, decode: bool | None = None) -> CascadeMeta:
+        """The cascade's plan for one group (`decode`: rows of one query; None: inferred).
+        A decode group shares up to `max_prefixes` prefixes, each read by its rows at
+        once, or in segments of `segment_rows` for all but the most shared; a prefill
+        group (blocks of a few prompts' chunks) one, read by all its rows at once. Rows come out sorted by their own walk, longest
+        first; the prefix copy is not consulted here (`prepare` does)."""
         rows, width = group.page_tables.shape
+        ps = self.pool.page_size
         tables = np.zeros((rows, self.width), np.int32)
         tables[:, :width] = group.page_tables
         ctx, ql = group.context_lens, group.query_lens
-        real = ql > 0
-        order = np.arange(rows, dtype=np.int32)
-        members = real
-        if real.any() and (ql[real] == 1).all():
-            some = sharing_rows(tables, ctx, ql, self.pool.page_size)
-            if some.sum() < real.sum():
-                first = np.argsort(~some, kind="stable").astype(np.int32)
-                _, shared_len = shared_prefix(tables[some], ctx[some] - 1,
-                                              self.pool.page_size, self.width)
-                start = np.where(some, shared_len, 0)[first]
-                if self._walk(ctx[first] - start) < self._walk(ctx):
-                    order, members = first, some
-        tables, ctx, ql, members = tables[order], ctx[order], ql[order], members[order]
-        first_pos = ctx[members] - ql[members]
-        shared, shared_len = shared_prefix(tables[members], first_pos, self.pool.page_size,
-                                           self.width)
-        return CascadeMeta(tables, ctx, ql, shared, np.int32(shared_len),
-                           np.int32(min(buffered, shared_len)), members.astype(np.int32),
-                           order)
-
-    def _walk(self, lengths: np.ndarray) -> int:
-        """Keys the decode row groups walk for rows of these own lengths, in order."""
-        n = self.decode_rows_per_group
-        return sum(int(lengths[i:i + n].max()) * len(lengths[i:i + n])
-                   for i in range(0, len(lengths), n))
+        if decode is None:
+            decode = bool((ql <= 1).all())
+        n_prefixes = self.max_prefixes if decode else 1
+        found = prefix_groups(tables, ctx, ql, ps, self.width)[:n_prefixes]
+        prefix = np.full(rows, -1, np.int32)
+        shared = np.zeros((n_prefixes, self.width), np.int32)
+        shared_len = np.zeros(n_prefixes, np.int32)
+        for i, (members, pages, length) in enumerate(found):
+            prefix[members], shared[i], shared_len[i] = i, pages, length
+        own = np.where(ql > 0, ctx - np.where(prefix >= 0, shared_len[prefix], 0), -1)
+        order = np.argsort(-own, kind="stable").astype(np.int32)  # padding rows last
+        prefix = prefix[order]
+        # One wide segment (every row) for the prefix most rows share; in a decode group,
+        # narrow ones of `segment_rows` for the others (and for it too when it has no
+        # more rows than one): reading a prefix in segments of few rows costs more than
+        # in one of many (in a step of one prefix, 150 -> 184 ms at segments of 8).
+        wide = np.full((1, rows), rows, np.int32)
+        narrow_rows = min(self.segment_rows, max(rows, 1))
+        narrow = np.full((-(-rows // narrow_rows) + n_prefixes - 1, narrow_rows), rows,
+                         np.int32)
+        at = 0
+        for i in range(len(found)):
+            members = np.flatnonzero(prefix == i)
+            if i == 0 and (not decode or len(members) > narrow_rows):
+                wide[0, :len(members)] = members
+                continue
+            for j in range(0, len(members), narrow_rows):
+                part = members[j:j + narrow_rows]
+                narrow[at, :len(part)] = part
+                at += 1
+        zero = np.zeros(n_prefixes, np.int32)
+        return CascadeMeta(tables[order], ctx[order], ql[order], shared, shared_len, zero,
+                           zero, (prefix + 1).astype(np.int32),
+                           (wide, narrow) if decode else (wide,), order)
 
     def prepare(self, kv, groups, slots, copies):
-        dec, pf = self.metadata(groups[0]), self.metadata(groups[1])
+        dec, pf = self.metadata(groups[0], decode=True), self.metadata(groups[1], decode=False)
         if self.copy is None:
             return dec, pf
         ps = self.pool.page_size
         written = [slots // ps, np.asarray([dst for _, dst in copies], np.int32)]
-        held = self.copy.update(kv, np.concatenate(written), *(
-            m.shared_pages[:int(m.shared_len) // ps] for m in (dec, pf)))
-        return tuple(m._replace(buffered_len=np.int32(_common_prefix(
-            held, m.shared_pages[:int(m.shared_len) // ps]) * ps)) for m in (dec, pf))
+        prefixes = [m.shared_pages[i, :int(m.shared_len[i]) // ps]
+                    for m in (dec, pf) for i in range(len(m.shared_len))]
+        held = self.copy.update(kv, np.concatenate(written), prefixes)
+        out = []
+        for m in (dec, pf):
+            n = len(m.shared_len)
+            at, buffered = (np.asarray(x, np.int32) for x in zip(*held[:n]))
+            held = held[n:]
+            out.append(m._replace(buffered_len=buffered, copy_at=at))
+        return tuple(out)
 
     def warmup(self, kv) -> None:
         if self.copy is not None:
-            self.copy.fill(kv, np.zeros(0, np.int32))
+            self.copy.fill(kv, 0, np.zeros(0, np.int32))
 
     # -- inside the compiled step ----------------------------------------------------------
     def attend(self, q, k_pool, v_pool, layer, meta: CascadeMeta, state):
         rows, queries = q.shape[:2]
-        q = q[meta.order]  # the plan's row order (sharing rows first), undone at the end
+        q = q[meta.order]  # the plan's row order, undone at the end
         if queries == 1:
             groups = (self.decode_rows_per_group,) * -(-rows // self.decode_rows_per_group)
         else:
             groups = halving_groups(rows) if self.group_prefill_blocks else ()
+        with_copy = state is not None
         out = cascade_attention(
             q, k_pool, v_pool, self.page_offset(layer), meta.page_tables, meta.context_lens,
             meta.query_lens, meta.shared_pages, meta.shared_len, meta.shared_rows, state,
-            None if state is None else layer, None if state is None else meta.buffered_len,
+            layer if with_copy else None, meta.buffered_len if with_copy else None,
+            meta.copy_at if with_copy else None, meta.segments,
             pages_per_block=self.pages_per_block,
             shared_pages_per_block=self.shared_pages_per_block, row_groups=groups)
         return jnp.zeros_like(out).at[meta.order].set(out)
 
 
 class PrefixCopy:
-    """One shared prefix's keys and values, gathered contiguous for every layer.
+    """Shared prefixes' keys and values, gathered contiguous for every layer, one prefix
+    per slot (`tokens` each).
 
     Sound because a page's contents change only by being written: every step's writes
-    (its tokens' slots) and page copies are checked first, and the copy is cut back to
-    before the first page written. It holds whichever group's prefix saves the step the
-    most pages of gathering (both groups counted: a long prompt's earlier chunks often
-    extend the decode rows' system prompt), and moves only when another would save
-    `MIN_GAIN_PAGES` more, so two prefixes of similar length do not take turns."""
+    (its tokens' slots) and page copies are checked first, and a slot is cut back to
+    before the first page written. Each of a step's prefixes (most shared first) is
+    served by the slot holding most of it; one that no slot holds well enough is
+    gathered into a slot no prefix of this step or the last one used (or an empty one),
+    so that more prefixes than slots do not take turns refilling them (the others read
+    their pages).
+    A slot that serves a prefix moves to another only when that one would save
+    `MIN_GAIN_PAGES` more pages (two prefixes of similar length do not take turns)."""
 
     MIN_GAIN_PAGES = 16
 
-    def __init__(self, pool: PoolLayout, tokens: int, *, block_tokens: int) -> None:
+    def __init__(self, pool: PoolLayout, tokens: int, *, block_tokens: int,
+                 slots: int = 1) -> None:
         self.pool = pool
         # A multiple of the cascade's big block: no slice of the copy is ever clamped.
         self.tokens = max(block_tokens, -(-tokens // block_tokens) * block_tokens)
-        self.capacity = self.tokens // pool.page_size  # pages
-        shape_k = (pool.layers, pool.kv_heads, pool.head_dim, self.tokens)
-        shape_v = (pool.layers, pool.kv_heads, self.tokens, pool.head_dim)
+        self.capacity = self.tokens // pool.page_size  # pages per slot
+        self.slots = slots
+        total = slots * self.tokens
+        shape_k = (pool.layers, pool.kv_heads, pool.head_dim, total)
+        shape_v = (pool.layers, pool.kv_heads, total, pool.head_dim)
         self.arrays = (jnp.zeros(shape_k, pool.dtype), jnp.zeros(shape_v, pool.dtype))
-        self.pages = np.zeros(0, np.int32)  # the pages whose contents the copy holds
+        self.held = [np.zeros(0, np.int32) for _ in range(slots)]  # pages each slot holds
+        self.last_used = [-2] * slots  # the step each slot last served a prefix
+        self.steps = 0
         self.fills = 0
 
-    def fill(self, kv, pages: np.ndarray) -> None:
+    @property
+    def pages(self) -> np.ndarray:
+        """The pages slot 0 holds."""
+        return self.held[0]
+
+    def fill(self, kv, slot: int, pages: np.ndarray) -> None:
         padded = np.zeros(self.capacity, np.int32)
         padded[:len(pages)] = pages
         self.arrays = gather_prefix(kv[0], kv[1], padded, self.arrays,
+                                    np.int32(slot * self.tokens),
                                     pages_per_layer=self.pool.pages)
-        self.pages = pages.copy()
+        self.held[slot] = pages.copy()
 
-    def update(self, kv, written: np.ndarray, dec: np.ndarray, pf: np.ndarray) -> np.ndarray:
-        """Bring the copy up to date for a step whose groups share `dec` and `pf` and which
-        writes pages `written`; returns the pages it holds."""
-        if len(self.pages):
-            hit = np.isin(self.pages, written)
-            if hit.any():
-                self.pages = self.pages[:int(np.argmax(hit))]
+    def update(self, kv, written: np.ndarray,
+               prefixes: list[np.ndarray]) -> list[tuple[int, int]]:
+        """Bring the copy up to date for a step whose groups share `prefixes` (page ids,
+        most shared first; empty: unused) and which writes pages `written`. Returns, per
+        prefix, (the token its slot starts at, tokens of it the slot holds)."""
+        self.steps += 1
+        for s, pages in enumerate(self.held):
+            self.held[s] = pages[:_first(np.isin(pages, written))]
+        # A prefix's pages this step writes (a prompt's earlier blocks, shared by its later
+        # ones) are read from the pool: a copy made now would miss what the step writes.
+        wanted = [p[:min(self.capacity, _first(np.isin(p, written)))] for p in prefixes]
+        served: dict[int, int] = {}  # slot -> the index of the first prefix it serves
 
-        def saved(pages: np.ndarray) -> int:
-            return _common_prefix(pages, dec) + _common_prefix(pages, pf)
+        def best(pages):
+            common = [_common_prefix(h, pages) for h in self.held]
+            return int(np.argmax(common)), max(common)
 
-        best = max((w[:self.capacity] for w in (dec, pf) if len(w)), key=saved, default=None)
-        if best is not None and (saved(best) - saved(self.pages)
-                                 >= min(self.MIN_GAIN_PAGES, len(best))):
-            self.fill(kv, best)
+        for i, pages in enumerate(wanted):
+            if not len(pages):
+                continue
+            slot, common = best(pages)
+            if len(pages) - common < min(self.MIN_GAIN_PAGES, len(pages)):
+                served.setdefault(slot, i)
+                continue
+            if common and slot not in served:  # extend (or move) the slot it is in
+                target = slot
+            else:
+                idle = [s for s in range(self.slots) if s not in served and (
+                    self.last_used[s] < self.steps - 1 or not len(self.held[s]))]
+                if not idle:
+                    if common:
+                        served.setdefault(slot, i)
+                    continue
+                target = min(idle, key=lambda s: self.last_used[s])
+            self.fill(kv, target, pages)
             self.fills += 1
-        return self.pages
+            served[target] = i
+        out = []
+        for pages in wanted:
+            if not len(pages):
+                out.append((0, 0))
+                continue
+            slot, common = best(pages)
+            if common:
+                self.last_used[slot] = self.steps
+            out.append((slot * self.tokens, common * self.pool.page_size))
+        return out
 
 
-def sharing_rows(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
-                 page_size: int) -> np.ndarray:
-    """[rows] bool: the real rows whose tables start with the page most of them start
-    with (among those with a whole page before their first query): the rows a cascade
-    serves. Rows of other prefixes (another adapter's, a batch job's) walk their own."""
+def prefix_groups(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                  page_size: int, width: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """The rows that share a table prefix, by their first page (among real rows with a
+    whole page before their first query; two rows at least): (rows, the prefix's pages
+    [width], its tokens) per prefix, the one that saves most reading first. A system
+    prompt under several adapters is several prefixes (the keys differ); rows of a
+    prefix of their own walk it themselves."""
     real = query_lens > 0
     whole = real & (context_lens - query_lens >= page_size)
     if whole.sum() < 2:
-        return real
-    first, counts = np.unique(tables[whole, 0], return_counts=True)
-    if counts.max() < 2:
-        return real
-    return real & (tables[:, 0] == first[np.argmax(counts)])
+        return []
+    firsts, counts = np.unique(tables[whole, 0], return_counts=True)
+    found = []
+    for first in firsts[counts >= 2]:
+        members = np.flatnonzero(whole & (tables[:, 0] == first))
+        pages, length = shared_prefix(tables[members],
+                                      context_lens[members] - query_lens[members],
+                                      page_size, width)
+        if length:
+            found.append((members, pages, length))
+    found.sort(key=lambda f: -(len(f[0]) - 1) * f[2])
+    return found
 
 
 def shared_prefix(tables: np.ndarray, first_pos: np.ndarray, page_size: int, width: int):
@@ -219,6 +301,11 @@ def halving_groups(n: int) -> tuple[int, ...]:
         sizes.append(-(-n // 2))
         n -= sizes[-1]
     return (*sizes, 1) if sizes else ()
+
+
+def _first(hits: np.ndarray) -> int:
+    """Index of the first True (len if none)."""
+    return int(np.argmax(hits)) if hits.any() else len(hits)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -278,9 +278,9 @@ def test_prefix_copy_follows_the_longer_prefix_and_gathers_the_other():
         for s in (0, 1, 5):
             np.testing.assert_allclose(x.logits[s], y.logits[s], atol=1e-4)
         last, pos = [x.sampled[s].token_id for s in range(2)], [p + 1 for p in pos]
-    # It held the system prompt, then moved to the long prompt's earlier pages.
+    # It held the system prompt, then the long prompt's earlier pages too.
     assert buffered.attention.copy.fills >= 2
-    assert list(buffered.attention.copy.pages[:100]) == long_pages[:100]
+    assert any(list(h[:100]) == long_pages[:100] for h in buffered.attention.copy.held)
 
 
 def test_serves_before_every_shape_is_compiled():

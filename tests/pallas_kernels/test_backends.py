@@ -2,10 +2,10 @@
 
 A drawn case is one attention group of a step as the runner hands it to a backend: rows
 (sequences or prefill blocks) sorted longest first, each with a scrambled page table of
-one layer of a multi-layer pool, a context length and a query count, the rows sharing a
-prefix of pages or not (or only some of them: others start with pages of their own, as
-an adapter's or a batch job's request beside interactive ones), queries starting
-mid-page, padding rows. Shapes come from a small
+one layer of a multi-layer pool, a context length and a query count, rows sharing one of
+a few prefixes of pages (a system prompt under several adapters) or starting with pages
+of their own (a batch job's request beside interactive ones), queries starting mid-page,
+padding rows. Shapes come from a small
 set (each new shape compiles); lengths, tables, prefixes and the layer are values.
 """
 
@@ -33,7 +33,6 @@ class Case:
     v: np.ndarray
     group: GroupLayout
     layer: int
-    shared_pages: int  # pages the sharing rows' tables start with
 
 
 @st.composite
@@ -43,23 +42,25 @@ def cases(draw, *, head_dims=(16, 32)):
     group = draw(st.sampled_from([1, 3]))  # query heads per KV head (GQA)
     d = draw(st.sampled_from(head_dims))
     queries = draw(st.sampled_from([1, 4]))  # decode rows, or prefill blocks of 4
-    rows = 4
+    rows = 5
     real = draw(st.integers(1, rows))
-    shared = draw(st.integers(0, 4))
-    outsiders = draw(st.integers(0, 2))  # real rows whose tables do not start with it
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     ids = iter(rng.permutation(np.arange(1, PAGES)))  # scrambled: any page, any order
-    common = [int(next(ids)) for _ in range(shared)]
+    # Up to three prefixes (a system prompt under several adapters), each of 0-3 pages.
+    commons = [[int(next(ids)) for _ in range(draw(st.integers(0, 3)))]
+               for _ in range(draw(st.integers(1, 3)))]
     tables = np.zeros((rows, WIDTH), np.int32)
     ctx = np.zeros(rows, np.int32)
     ql = np.zeros(rows, np.int32)
     for r in range(real):
-        # Queries sit after the shared prefix, anywhere in a page (chunks start mid-page).
+        # A row of one of the prefixes, or of its own (-1: a batch job's, say); its
+        # queries sit after the prefix, anywhere in a page (chunks start mid-page).
+        which = draw(st.integers(-1, len(commons) - 1))
+        mine = commons[which] if which >= 0 else []
         q_len = draw(st.integers(1, queries))
-        own = draw(st.integers(q_len, (WIDTH - shared) * ps - 1))
-        ctx[r], ql[r] = shared * ps + own, q_len
+        own = draw(st.integers(q_len, (WIDTH - len(mine)) * ps - 1))
+        ctx[r], ql[r] = len(mine) * ps + own, q_len
         n = -(-int(ctx[r]) // ps)
-        mine = common if r >= outsiders else []
         tables[r, :n] = mine + [int(next(ids)) for _ in range(n - len(mine))]
     order = np.argsort(-ctx, kind="stable")  # longest context first, padding last
     pool = PoolLayout(LAYERS, PAGES, ps, kvh, d, np.float32, WIDTH)
@@ -68,7 +69,7 @@ def cases(draw, *, head_dims=(16, 32)):
                 rng.standard_normal(pool.shape).astype(np.float32),
                 rng.standard_normal(pool.shape).astype(np.float32),
                 GroupLayout(tables[order], ctx[order], ql[order]),
-                draw(st.integers(0, LAYERS - 1)), shared if real > 1 else 0)
+                draw(st.integers(0, LAYERS - 1)))
 
 
 def reference(c: Case) -> np.ndarray:
@@ -97,6 +98,9 @@ CPU_OPTIONS = {
                               group_prefill_blocks=False),
     # Shared blocks of 2 pages read in blocks of 1: prefixes are big blocks plus tails.
     "small-blocks": dict(pages_per_block=1, shared_pages_per_block=2, decode_rows_per_group=2),
+    # Segments of 2 rows, two prefixes at most (a third walks its own), one copy slot.
+    "few-prefixes": dict(pages_per_block=1, shared_pages_per_block=2, segment_rows=2,
+                         max_prefixes=2, prefix_copies=1),
 }
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -117,19 +121,24 @@ def test_cpu_backend_matches_dense(options, c):
 @SETTINGS
 @given(c=cases(), held=st.sampled_from(["all", "part", "none", "foreign"]))
 def test_cpu_prefix_copy_holding_any_part_matches_dense(c, held):
-    """The prefix copy holds all, part, none of the group's shared prefix, or another
-    prefix; whatever it lacks is gathered from the pages: the same attention."""
-    backend = make_backend("cpu", c.pool, shared_pages_per_block=2, pages_per_block=1)
+    """Each copy slot holds all, part, none of its prefix, or another prefix's pages;
+    whatever it lacks is gathered from the pages: the same attention."""
+    backend = make_backend("cpu", c.pool, shared_pages_per_block=2, pages_per_block=1,
+                           segment_rows=2)
     meta = backend.metadata(c.group)
-    shared = meta.shared_pages[:int(meta.shared_len) // c.pool.page_size]
-    keep = {"all": len(shared), "part": len(shared) // 2, "none": 0,
-            "foreign": 0}[held]
-    pages = shared[:keep]
-    if held == "foreign":  # a prefix of other pages: nothing of this one
-        pages = np.asarray([p % (PAGES - 1) + 1 for p in shared + 7], np.int32)
-    backend.copy.fill((jnp.asarray(c.k), jnp.asarray(c.v)), pages)
-    covered = keep if held != "foreign" else 0
-    meta = meta._replace(buffered_len=np.int32(covered * c.pool.page_size))
+    kv = (jnp.asarray(c.k), jnp.asarray(c.v))
+    buffered = np.zeros_like(meta.buffered_len)
+    copy_at = np.zeros_like(meta.copy_at)
+    for i, length in enumerate(meta.shared_len):
+        shared = meta.shared_pages[i, :int(length) // c.pool.page_size]
+        keep = {"all": len(shared), "part": len(shared) // 2, "none": 0, "foreign": 0}[held]
+        pages = shared[:keep]
+        if held == "foreign":  # a prefix of other pages: nothing of this one
+            pages = np.asarray([p % (PAGES - 1) + 1 for p in shared + 7], np.int32)
+        slot = len(meta.shared_len) - 1 - i  # not in order: the offsets matter
+        backend.copy.fill(kv, slot, pages)
+        buffered[i], copy_at[i] = keep * c.pool.page_size, slot * backend.copy.tokens
+    meta = meta._replace(buffered_len=buffered, copy_at=copy_at)
     np.testing.assert_allclose(attend(backend, c, meta), reference(c), atol=ATOL, rtol=RTOL)
 
 
@@ -158,32 +167,60 @@ def test_dense_reference_by_hand():
     np.testing.assert_allclose(out[0, 1, 0], expect, atol=1e-6)
 
 
-def test_the_cascade_serves_the_rows_most_tables_start_like():
-    """Three rows after one system prompt (pages 5, 6), one of another prefix (a batch
-    job's), one padding row: the three go first and share the cascade, the fourth walks
-    its own table; the same attention."""
-    from pallas_kernels.cpu import sharing_rows
-
-    tables = np.array([[5, 6, 7, 0], [5, 6, 8, 0], [9, 10, 11, 0], [5, 6, 12, 0],
-                       [0, 0, 0, 0]], np.int32)
-    ctx = np.array([9, 10, 11, 12, 0], np.int32)
-    ql = np.array([1, 1, 1, 1, 0], np.int32)
-    assert sharing_rows(tables, ctx, ql, 4).tolist() == [True, True, False, True, False]
-    pool = PoolLayout(1, 16, 4, 1, 8, np.float32, 4)
-    backend = make_backend("cpu", pool, decode_rows_per_group=2)
-    group = GroupLayout(tables, ctx, ql)
-    meta = backend.metadata(group)
-    assert int(meta.shared_len) == 8 and meta.shared_pages[:2].tolist() == [5, 6]
-    assert meta.order.tolist() == [0, 1, 3, 2, 4] and meta.shared_rows.tolist() == [
-        1, 1, 1, 0, 0]
+def test_the_cascade_serves_each_prefix_its_rows_share():
+    """Three rows after one system prompt (pages 5, 6), two after another (pages 9, 10:
+    the same prompt under an adapter), one of its own (a batch job's), one padding row:
+    each prefix is read by its rows' segments, the odd row walks its own table, rows go
+    longest own walk first; the same attention."""
+    tables = np.array([[5, 6, 7, 0], [9, 10, 13, 0], [5, 6, 8, 0], [20, 21, 22, 0],
+                       [5, 6, 12, 0], [9, 10, 14, 0], [0, 0, 0, 0]], np.int32)
+    ctx = np.array([9, 10, 11, 12, 12, 9, 0], np.int32)
+    ql = np.array([1, 1, 1, 1, 1, 1, 0], np.int32)
+    pool = PoolLayout(1, 32, 4, 1, 8, np.float32, 4)
+    backend = make_backend("cpu", pool, decode_rows_per_group=2, segment_rows=2)
+    meta = backend.metadata(GroupLayout(tables, ctx, ql))
+    assert meta.shared_len.tolist() == [8, 8, 0, 0]  # most rows first
+    assert meta.shared_pages[0, :2].tolist() == [5, 6]
+    assert meta.shared_pages[1, :2].tolist() == [9, 10]
+    # Own walks: 12 keys for the odd row, then 4, 3, 2, 1, 1 after the prefixes.
+    assert meta.order.tolist() == [3, 4, 2, 1, 0, 5, 6]
+    assert meta.shared_rows.tolist() == [0, 1, 1, 2, 1, 2, 0]
+    # Prefix 0's three rows in the wide segment, prefix 1's two in a narrow one of two.
+    real = [sorted(int(r) for r in s if r < 7) for part in meta.segments for s in part]
+    assert [s for s in real if s] == [[1, 2, 4], [3, 5]]
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((5, 1, 1, 8)).astype(np.float32)
+    q = rng.standard_normal((7, 1, 1, 8)).astype(np.float32)
     k, v = (rng.standard_normal(pool.shape).astype(np.float32) for _ in range(2))
     out = np.asarray(backend.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                     jnp.int32(0), meta, backend.state))
     ref = np.asarray(paged_attention_dense(q, k, v, tables, ctx, ql))
     np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
-    # A fourth row as long as the others but of another prefix: sharing would walk as
-    # many keys as not (one row group of 8), so no cascade.
-    long = GroupLayout(tables, np.array([9, 10, 12, 12, 0], np.int32), ql)
-    assert int(make_backend("cpu", pool).metadata(long).shared_len) == 0
+    # A prefill group shares one prefix, the one most of its rows have.
+    pf = backend.metadata(GroupLayout(tables, ctx, ql), decode=False)
+    assert pf.shared_len.tolist() == [8] and [s.shape for s in pf.segments] == [(1, 7)]
+
+
+def test_prefix_copy_slots_serve_several_prefixes_without_taking_turns():
+    """Two copy slots, three prefixes in every step: two are copied once and stay, the
+    third reads its pages; a prefix whose pages are written is cut back and refilled."""
+    from pallas_kernels.cpu import PrefixCopy
+
+    pool = PoolLayout(1, 64, 4, 1, 8, np.float32, 16)
+    kv = tuple(jnp.asarray(np.random.default_rng(1).standard_normal(pool.shape),
+                           jnp.float32) for _ in range(2))
+    copy = PrefixCopy(pool, 16, block_tokens=8, slots=2)
+    a, b, c = (np.arange(s, s + 4, dtype=np.int32) for s in (1, 10, 20))
+    nothing = np.zeros(0, np.int32)
+    first = copy.update(kv, nothing, [a, b, c])
+    assert copy.fills == 2 and first[:2] == [(0, 16), (16, 16)] and first[2][1] == 0
+    for _ in range(3):
+        assert copy.update(kv, nothing, [a, b, c]) == first
+    assert copy.fills == 2
+    # Page 10 of prefix b is written: its slot is emptied, and the third prefix (not
+    # b: its pages are being rewritten) takes it.
+    copy.update(kv, np.array([10], np.int32), [a, b, c])
+    assert copy.fills == 3 and list(copy.held[1]) == list(c)
+    # A prefix whose later pages this very step writes (a prompt's first block, beside
+    # its later blocks that share it): only the pages before them are copied.
+    copy = PrefixCopy(pool, 16, block_tokens=8, slots=2)
+    assert copy.update(kv, c[2:3], [c]) == [(0, 8)] and list(copy.held[0]) == list(c[:2])
