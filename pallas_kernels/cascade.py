@@ -154,7 +154,10 @@ def cascade_attention(
         part = (jnp.full((kvh, n), _NEG, f32), jnp.zeros((kvh, n), f32),
                 jnp.zeros((kvh, n, d), f32))
         if copy is not None:
-            part = blocks_of(copy_keys, jnp.int32(0), buffered[p], part)
+            # The copy is read in big blocks only, the last one masked past its end: each
+            # slot is whole big blocks long, and every block costs a loop iteration.
+            part = walk(copy_keys, buffered[p], jnp.int32(0), sblk,
+                        (buffered[p] + sblk - 1) // sblk, part)
         part = blocks_of(page_keys, buffered[p], limit, part)
         m, l, acc = part
         m = m.reshape(kvh, g, width, nq).transpose(2, 0, 1, 3)
