@@ -8,6 +8,7 @@ stream bound and tenant quota (429) -> input guardrail (bounded by its budget) -
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from contextlib import contextmanager
@@ -22,16 +23,16 @@ from scheduler.protocol import SamplingParams
 from .adapters import check_tenant
 from .errors import APIError, bad_request, rate_limited, unavailable
 from .pools import Pool
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, decode_body
-from .state import Flight, Phase, ServerState
+from .prompts import chat_checks, completion_checks, tokenize
+from .schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from .state import Choices, Flight, Phase, ServerState
+from .structured import constraint_for, grammar_of, logit_bias_of
 from .tenants import Tenant
 
 # A batch job's request waits in an engine's queue for idle capacity, however long: its
 # batch's window, not the queue deadline, bounds it (app/batches/worker.py).
 BATCH_QUEUE_DEADLINE_S = 1e9
-# Prompts longer than this many characters are tokenized in a worker thread, so a 4 MiB
-# body does not stall every other stream on the event loop.
-THREAD_TOKENIZE_CHARS = 20_000
+CHOICE_EVENT_BUFFER = 16  # events buffered per choice of an n > 1 request
 
 
 @dataclass
@@ -45,9 +46,12 @@ class Admitted:
     model: str
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage so far in every chunk (vLLM's continuous_usage_stats)
     logprobs: int | None  # None: off; else how many alternatives per token
     tenant: Tenant
     arrival: float  # trio.current_time() when the body arrived
+    echo: str = ""  # completions' `echo`: the prompt's text, sent before the answer
+    n: int = 1  # choices
 
 
 def check_phase(state: ServerState) -> None:
@@ -71,16 +75,19 @@ def parse(kind: str, body: bytes) -> Parsed:
     """Decode and check a completion body (400 naming the parameter)."""
     if kind == "chat":
         req = decode_body(body, ChatCompletionRequest)
-        max_tokens = _chat_checks(req)
+        max_tokens = chat_checks(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         req = decode_body(body, CompletionRequest)
-        max_tokens = _completion_checks(req)
+        max_tokens = completion_checks(req)
         logprobs = req.logprobs
     if req.stream_options is not None and not req.stream:
         raise bad_request("`stream_options` is only allowed when `stream` is true.",
                           param="stream_options")
-    return Parsed(req, max_tokens, logprobs)
+    if req.store:
+        raise bad_request("This server does not store completions; `store` must be false.",
+                          param="store", code="unsupported_value")
+    return Parsed(req, max_tokens, logprobs, grammar_of(req))
 
 
 @dataclass
@@ -88,6 +95,7 @@ class Parsed:
     req: ChatCompletionRequest | CompletionRequest
     max_tokens: int | None
     logprobs: int | None
+    grammar: tuple[str, str] | None = None  # structured output: (grammar, parameter)
 
 
 @dataclass
@@ -117,7 +125,7 @@ async def resolve(state: ServerState, kind: str, p: Parsed, tenant: Tenant
     adapter = req.model if router.is_adapter(req.model) else None
     if adapter is not None:
         check_tenant(tenant, adapter)
-    prompt_ids, text = await _tokenize(candidates[0], req)
+    prompt_ids, text = await tokenize(candidates[0], req)
     pool = router.choose(candidates, len(prompt_ids), p.max_tokens)
     max_tokens = p.max_tokens
     if max_tokens is None:
@@ -134,12 +142,15 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     not one of the server's flights (a drain does not wait for it: it runs again after
     a restart)."""
     req = p.req
+    n = req.n or 1
     candidates: list[Pool] = []
     if batch is None:  # a refusal needs no tokenizing or template rendering
         candidates = state.router.candidates(req.model)  # type: ignore[union-attr]
         _precheck(candidates, p.max_tokens)
     with _tokenizing(candidates):
         pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
+        sampling = _sampling(req, pool, p.logprobs)
+        constraints = [await constraint_for(pool, p.grammar) for _ in range(n)]
 
     if batch is None:
         if len(state.flights) >= state.settings.server.max_streams:
@@ -148,7 +159,7 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
                 f"The server is at its limit of {state.settings.server.max_streams} "
                 "requests in flight.", 1.0, code="server_busy")
         try:
-            lease = state.tenants.admit(tenant, len(prompt_ids) + max_tokens)
+            lease = state.tenants.admit(tenant, len(prompt_ids) + n * max_tokens)
         except APIError as e:
             state.metrics.reject(pool.model_name, pool.name, e.detail.code or "tenant")
             raise
@@ -163,10 +174,12 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         priority = tenant.priority_for(req.priority)
         if batch is not None and batch.priority is not None:
             priority = max(priority, batch.priority)
-        greq = GenerateRequest(
+        greqs = [GenerateRequest(
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=_sampling(req, pool, p.logprobs),
+            # Seeded choices are distinct and reproducible: choice i draws from seed + i.
+            sampling=sampling if sampling.seed is None or not i else dataclasses.replace(
+                sampling, seed=sampling.seed + i),
             stop=_stops(req.stop),
             stop_token_ids=_stop_token_ids(req.stop_token_ids, pool),
             ignore_eos=req.ignore_eos,
@@ -180,10 +193,12 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
             f"{tenant.cache_salt}\x00{_generation(pool, adapter)}",
             adapter=adapter,
             deadline_s=BATCH_QUEUE_DEADLINE_S if batch else tenant.config.queue_deadline_s,
-            request_id=request_id,
+            request_id=request_id if n == 1 else f"{request_id}-{i}",
             batch=batch is not None and batch.background,
-        )
-        flight.submitted(*_submit(pool, greq))
+            constraint=constraints[i],
+            index=i,
+        ) for i in range(n)]
+        flight.submitted(*_submit_all(pool, greqs))
         if flight.closed:
             raise unavailable("The server is shutting down.", "draining")
     except BaseException:
@@ -197,9 +212,13 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         model=adapter or pool.model_name,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options
+                              and req.stream_options.continuous_usage_stats),
         logprobs=p.logprobs,
         tenant=tenant,
         arrival=arrival,
+        echo=text if isinstance(req, CompletionRequest) and req.echo else "",
+        n=n,
     )
 
 
@@ -246,77 +265,36 @@ def _refused(e: Overloaded) -> APIError:
                         e.retry_after_s, code=e.reason)
 
 
-def _submit(pool: Pool, greq: GenerateRequest) -> tuple[int, object]:
+def _submit_all(pool: Pool, greqs: list[GenerateRequest]) -> tuple[int, object]:
+    """Submit a request's choices: one, or `n` to one replica sharing an event stream (the
+    scheduler admits the others once the first has computed the prompt, whose pages they
+    then share). All or none: a refusal of any takes back the others."""
+    if len(greqs) == 1:
+        return _submit(pool, greqs[0])
+    send, recv = trio.open_memory_channel(CHOICE_EVENT_BUFFER * len(greqs))
+    with send:  # each choice holds a clone; the stream ends after the last one's end
+        replica, first = _submit(pool, greqs[0], send)
+        ids = [first.request_id]
+        try:
+            for greq in greqs[1:]:
+                ids.append(_submit(pool, greq, send, replica)[1].request_id)
+        except BaseException:
+            for request_id in ids:
+                pool.finish(replica, request_id)
+            raise
+    return replica, Choices(ids, recv)
+
+
+def _submit(pool: Pool, greq: GenerateRequest, events=None,
+            replica: int | None = None) -> tuple[int, object]:
     try:
-        return pool.submit(greq)
+        return pool.submit(greq, events, replica)
     except Overloaded as e:
         raise _refused(e) from None
     except EngineDead as e:
         raise unavailable(f"The engine has stopped: {e}", "engine_dead") from None
     except ValueError as e:  # the engine can never serve it (e.g. bigger than its KV cache)
         raise bad_request(f"{e}.", param="max_tokens", code="context_length_exceeded") from None
-
-
-def _chat_checks(req: ChatCompletionRequest) -> int | None:
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
-    if (req.max_tokens is not None and req.max_completion_tokens is not None
-            and req.max_tokens != req.max_completion_tokens):
-        raise bad_request("`max_tokens` and `max_completion_tokens` disagree; send one.",
-                          param="max_completion_tokens")
-    return req.max_completion_tokens or req.max_tokens
-
-
-def _completion_checks(req: CompletionRequest) -> int | None:
-    if req.echo:
-        raise bad_request("Unsupported parameter: `echo` (the prompt is not returned).",
-                          param="echo", code="unsupported_parameter")
-    if isinstance(req.prompt, list):
-        ints = all(isinstance(t, int) for t in req.prompt)
-        one_str = len(req.prompt) == 1 and isinstance(req.prompt[0], str)
-        if not (ints or one_str):
-            raise bad_request("`prompt` must be one string or one list of token ids "
-                              "(one prompt per request).", param="prompt")
-    return req.max_tokens
-
-
-async def _tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
-                    ) -> tuple[list[int], str]:
-    """Prompt token ids, and the prompt's text for the input guardrail."""
-    tok = pool.tokenizer
-    if isinstance(req, ChatCompletionRequest):
-        text = "\n".join(m.text() for m in req.messages)
-        ids = await _maybe_thread(len(text), encode_messages, pool, req.messages)
-    elif isinstance(req.prompt, list) and all(isinstance(t, int) for t in req.prompt):
-        ids = list(req.prompt)
-        bad = [t for t in ids if not 0 <= t < pool.vocab_size]  # type: ignore[operator]
-        if bad:
-            raise bad_request(f"Token ids must be in [0, {pool.vocab_size}); got {bad[:5]}.",
-                              param="prompt", code="invalid_token_id")
-        text = tok.decode(ids)
-    else:
-        text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
-        ids = await _maybe_thread(len(text), tok.encode, text)
-    if not ids:
-        raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
-    return list(ids), text
-
-
-def encode_messages(pool: Pool, messages: Sequence[ChatMessage]) -> list[int]:
-    """Render the chat template and tokenize ("developer" is the template's "system")."""
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-             for m in messages]
-    try:
-        return pool.tokenizer.encode_chat(plain)
-    except ValueError as e:  # the template refused (e.g. roles out of the order it wants)
-        raise bad_request(f"The chat template cannot render these messages: {e}",
-                          param="messages", code="invalid_messages") from None
-
-
-async def _maybe_thread(size: int, fn, *args):
-    if size < THREAD_TOKENIZE_CHARS:
-        return fn(*args)
-    return await trio.to_thread.run_sync(fn, *args)
 
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest, pool: Pool,
@@ -333,6 +311,7 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, pool: Pool,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
+        logit_bias=logit_bias_of(req, pool.vocab_size),
     )
 
 

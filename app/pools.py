@@ -21,6 +21,7 @@ from scheduler.api import EngineDead, EngineStats, GenerateRequest, Overloaded
 
 from .adapters import PoolAdapters, Reader
 from .errors import bad_request, not_found
+from .grammar import Grammars
 
 
 class TokenizerLike(Protocol):
@@ -51,10 +52,19 @@ class Pool:
         self._in_flight = [0] * len(engines)
         self.admitting = 0  # requests past the precheck, being tokenized (app/completions.py)
         self.adapters = PoolAdapters(self, adapter_reader)  # LoRA adapters (app/adapters.py)
+        self._grammars: Grammars | None = None
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's grammar compiler for this pool's tokenizer (built on first
+        use: no pool pays for it unless a request asks)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     @property
     def model_name(self) -> str:
@@ -83,8 +93,11 @@ class Pool:
                 await nursery.start(engine.run)
             task_status.started()
 
-    def submit(self, req: GenerateRequest) -> tuple[int, Any]:
-        """Hand `req` to the least busy live replica; returns (replica index, handle).
+    def submit(self, req: GenerateRequest, events: Any = None,
+               replica: int | None = None) -> tuple[int, Any]:
+        """Hand `req` to the least busy live replica (or to `replica`: a request's other
+        choices go where its first went, to share its prompt's pages); returns (replica
+        index, handle). `events`: the request's shared event channel (`Engine.submit`).
 
         A replica whose queue is full refuses at once; the next one gets a try, and only
         when all refuse does the caller see `Overloaded` (or `EngineDead` if none is alive).
@@ -92,14 +105,15 @@ class Pool:
         if req.adapter is not None and req.adapter not in self.adapters:
             raise not_found(f"The lora adapter '{req.adapter}' was unloaded.", param="model",
                             code="model_not_found")  # while the request was being admitted
-        order = sorted(range(len(self.engines)), key=self._in_flight.__getitem__)
+        order = (sorted(range(len(self.engines)), key=self._in_flight.__getitem__)
+                 if replica is None else [replica])
         refusal: Overloaded | None = None
         for i in order:
             engine = self.engines[i]
             if not engine.alive:
                 continue
             try:
-                handle = engine.submit(req)
+                handle = engine.submit(req, events)
             except EngineDead:
                 continue
             except Overloaded as e:

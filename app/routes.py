@@ -7,6 +7,7 @@ balancers and scrapers.
 
 from __future__ import annotations
 
+import functools
 from typing import TypeVar
 
 import msgspec
@@ -16,12 +17,13 @@ from quart_trio import QuartTrio
 from .adapters import check_admin, is_admin, load_adapter, unload_adapter
 from .batches.routes import register_batch_routes
 from .console import register_console
-from .completions import admit, check_phase, encode_messages
+from .completions import admit, check_phase
 from .errors import bad_request, unavailable
 from .guardrails import OutputGate
 from .metrics import CONTENT_TYPE
 from .openapi import openapi_spec
 from .pools import Pool
+from .prompts import encode_messages
 from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, LoadLoraAdapterRequest,
                       LoraAdapterCard, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                       UnloadLoraAdapterRequest, decode_body)
@@ -47,12 +49,13 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         body = await request.get_data(cache=False)
         adm = await admit(state, kind, body, request.headers.get("Authorization"))
         request.scope.setdefault(FLIGHTS_KEY, []).append(adm.flight)
-        gate = None
+        gates = None  # an output gate per choice
         if state.guard.checks_output:
-            gate = OutputGate(state.guard, tenant=adm.tenant.name, model=adm.model)
+            gates = functools.partial(OutputGate, state.guard, tenant=adm.tenant.name,
+                                      model=adm.model)
         if not adm.stream:
-            return Response(await collect(adm, gate), content_type="application/json")
-        body_iter = sse_body(adm, gate, server.sse_coalesce, server.sse_flush_interval_s)
+            return Response(await collect(adm, gates), content_type="application/json")
+        body_iter = sse_body(adm, gates, server.sse_coalesce, server.sse_flush_interval_s)
         resp = Response(body_iter, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # an SSE stream lasts as long as the generation does

@@ -1,9 +1,10 @@
 """The OpenAI wire format as msgspec Structs, and `decode_body`, the one way bodies come in.
 
 Requests forbid unknown fields: a parameter this server does not implement (``tools``,
-``logit_bias``, ``n=2`` ...) is refused with a 400 naming it, never silently ignored, since a
-client that asked for JSON mode or a logit bias and got plain text would have no way to
-tell. Limits live in the types (``Meta``), so msgspec reports the exact path of a bad
+``n=2`` ...) is refused with a 400 naming it, never silently ignored, since a client that
+asked for something and got plain text would have no way to tell. A few parameters that
+change nothing a client can observe here are accepted and ignored (docs/api.md lists
+them). Limits live in the types (``Meta``), so msgspec reports the exact path of a bad
 value and the handlers only do cross-field checks (context length, prompt shape).
 
 Optional parameters default to None rather than to a value, so that explicit JSON
@@ -52,6 +53,43 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
+
+
+# Structured output (app/structured.py): OpenAI's `response_format`, and vLLM's names.
+class JsonSchemaSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, Meta(max_length=64)] = "response"
+    schema: dict | bool | None = None  # None: any JSON object
+    strict: bool | None = None  # the schema is always enforced
+    description: str | None = None
+
+
+class TextFormat(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag="json_object", tag_field="type",
+                       forbid_unknown_fields=True):
+    pass
+
+
+class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type",
+                       forbid_unknown_fields=True):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+Choices = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1, max_length=256)]
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Newer vLLM's one field for all kinds (give one)."""
+
+    json: dict | bool | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Choices | None = None
+    grammar: str | None = None
 
 
 class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -67,7 +105,7 @@ class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_p: Prob | None = None
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: Stop | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=16)] | None = None  # choices: the prompt prefilled once
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
@@ -76,6 +114,22 @@ class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] | None = None
     priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None  # smaller: sooner
     user: Annotated[str, Meta(max_length=256)] | None = None  # logged, like OpenAI
+    # Token id (as a string, OpenAI's JSON) -> bias added to its logit before sampling.
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=300)] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None  # vLLM's structured-output names
+    guided_regex: str | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: str | None = None  # GBNF (llama.cpp's, vLLM's) or Lark
+    structured_outputs: StructuredOutputs | None = None
+    # Accepted and ignored (docs/api.md): nothing is stored (`store: true` is refused),
+    # there are no tools to call in parallel, and the model does not reason first.
+    store: bool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Meta(max_length=512)]],
+                        Meta(max_length=16)] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class ChatCompletionRequest(_GenerateParams, kw_only=True):
@@ -260,7 +314,7 @@ class Health(msgspec.Struct):
 T = TypeVar("T")
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<name>.+)`")
 _HINTS = {
-    "n": "this server returns one choice per request",
+    "n": "1 to 16 choices per request",
     "best_of": "this server returns one choice per request",
     "stop": "up to 4 non-empty stop strings",
     "top_logprobs": "0 to 20",

@@ -47,7 +47,15 @@ class Flight:
     def submitted(self, replica: int, handle: Any) -> None:
         self.replica, self.handle = replica, handle
         if self.closed:  # stopped while it was being submitted (e.g. at the input check)
-            self.pool.finish(replica, handle.request_id)
+            for request_id in _request_ids(handle):
+                self.pool.finish(replica, request_id)
+
+    def abort_choice(self, index: int) -> None:
+        """Stop generating one of `n` choices (its output check refused it); the others go
+        on. The pool's accounting of it ends with the flight."""
+        ids = _request_ids(self.handle)
+        if 0 <= index < len(ids):
+            self.pool.engines[self.replica].abort(ids[index])
 
     def stop(self, reason: str) -> None:
         """End the request from outside (drain): abort it and wake its reader."""
@@ -61,11 +69,29 @@ class Flight:
             return
         self.closed = True
         if self.handle is not None:
-            self.pool.finish(self.replica, self.handle.request_id)
+            for request_id in _request_ids(self.handle):
+                self.pool.finish(self.replica, request_id)
         self.lease.release(self.prompt_tokens + self.generated if self.handle else 0)
         self.state.flights.discard(self)
         if not self.state.flights:
             self.state.idle.set()
+
+
+@dataclass
+class Choices:
+    """The handle of a request with `n` choices: their engine ids, and the one event
+    stream they share (events tagged with their choice's index)."""
+
+    request_ids: list[str]
+    events: Any
+
+    @property
+    def request_id(self) -> str:
+        return self.request_ids[0]
+
+
+def _request_ids(handle: Any) -> list[str]:
+    return getattr(handle, "request_ids", None) or [handle.request_id]
 
 
 @dataclass(eq=False)

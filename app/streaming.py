@@ -4,7 +4,8 @@ Streaming writes coalesce: after each token event the reader takes whatever else
 already waiting in the request's channel, so a slow client gets fewer, bigger writes
 (one write costs ~100 us of CPU in hypercorn/h11 whatever its size) and the engine never
 waits on it. The first chunk carries the role; the last carries `finish_reason`; with
-`stream_options.include_usage` a usage chunk follows; ``data: [DONE]`` ends every stream,
+`stream_options.include_usage` a usage chunk follows (with `continuous_usage_stats`, every
+chunk carries the usage so far, as vLLM does); ``data: [DONE]`` ends every stream,
 errors included (an error mid-stream is a ``data: {"error": ...}`` event, which the
 official clients raise).
 
@@ -74,7 +75,8 @@ class Reader:
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
         if isinstance(out[-1], FinishEvent) and out[-1].finish_reason == "abort":
-            out[-1] = ErrorEvent("the engine aborted the request", kind="aborted")
+            out[-1] = ErrorEvent("the engine aborted the request", kind="aborted",
+                                 index=out[-1].index)
         self._observe(out)
         return out
 
@@ -160,42 +162,54 @@ def completion_logprobs(adm: Admitted, events: list[TokenEvent], offset: int
 
 # -------------------------------------------------------------------------------- chunks
 class ChunkWriter:
-    """Renders SSE events for one stream (chat or completion)."""
+    """Renders SSE events for one stream (chat or completion) of `n` choices."""
 
     def __init__(self, adm: Admitted) -> None:
         self.adm = adm
         self.chat = adm.kind == "chat"
-        self.offset = 0
+        self.offsets = [0] * adm.n  # completions' logprob text offsets, per choice
 
     def _event(self, obj: object) -> bytes:
         return b"data: " + _encode(obj) + b"\n\n"
 
     def _chunk(self, text: str | None, finish: str | None, events: list[TokenEvent],
-               role: bool = False) -> bytes:
+               role: bool = False, index: int = 0) -> bytes:
         a = self.adm
+        usage = None
+        if a.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far
+            p, c = a.flight.prompt_tokens, a.flight.generated
+            usage = Usage(p, c, p + c)
         if self.chat:
             delta = Delta(role="assistant" if role else None, content=text)
-            choice = ChatChunkChoice(0, delta, finish, chat_logprobs(a, events))
+            choice = ChatChunkChoice(index, delta, finish, chat_logprobs(a, events))
             obj: object = ChatCompletionChunk(a.id, "chat.completion.chunk", a.created,
-                                              a.model, [choice])
+                                              a.model, [choice], usage)
         else:
-            lps = completion_logprobs(a, events, self.offset)
-            self.offset += len(text or "")
+            lps = completion_logprobs(a, events, self.offsets[index])
+            self.offsets[index] += len(text or "")
             obj = Completion(a.id, "text_completion", a.created, a.model,
-                             [CompletionChoice(0, text or "", finish, lps)])
+                             [CompletionChoice(index, text or "", finish, lps)], usage)
         return self._event(obj)
 
     def start(self) -> bytes:
-        return self._chunk("", None, [], role=True) if self.chat else b""
+        if self.chat:
+            return b"".join(self._chunk("", None, [], role=True, index=i)
+                            for i in range(self.adm.n))
+        echo = self.adm.echo
+        return b"".join(self._chunk(echo, None, [], index=i) for i in range(self.adm.n)
+                        ) if echo else b""
 
-    def tokens(self, text: str, events: list[TokenEvent]) -> bytes:
+    def tokens(self, text: str, events: list[TokenEvent], index: int = 0) -> bytes:
         if not text and not (self.adm.logprobs is not None and events):
             return b""
-        return self._chunk(text, None, events)
+        return self._chunk(text, None, events, index=index)
 
-    def finish(self, reason: str, usage: Usage | None) -> bytes:
+    def finish_choice(self, reason: str, index: int = 0) -> bytes:
+        return self._chunk(None if self.chat else "", reason, [], index=index)
+
+    def end(self, usage: Usage | None) -> bytes:
         a = self.adm
-        out = self._chunk(None if self.chat else "", reason, [])
+        out = b""
         if usage is not None and a.include_usage:
             cls = ChatCompletionChunk if self.chat else Completion
             obj = cls(a.id, "chat.completion.chunk" if self.chat else "text_completion",
@@ -203,41 +217,87 @@ class ChunkWriter:
             out += self._event(obj)
         return out + DONE
 
+    def finish(self, reason: str, usage: Usage | None) -> bytes:
+        return self.finish_choice(reason) + self.end(usage)
+
     def error(self, ev: ErrorEvent) -> bytes:
         return self._event(error_body(ev)) + DONE
 
 
-async def sse_body(adm: Admitted, gate: OutputGate | None, coalesce: bool,
+def runs(events: list) -> list[tuple[int, list[TokenEvent], FinishEvent | ErrorEvent | None]]:
+    """A batch of events as (choice, its consecutive token events, its end or None)."""
+    out: list = []
+    for e in events:
+        if out and out[-1][0] == e.index and out[-1][2] is None:
+            if isinstance(e, TokenEvent):
+                out[-1][1].append(e)
+            else:
+                out[-1][2] = e
+        else:
+            out.append([e.index, [e] if isinstance(e, TokenEvent) else [],
+                        None if isinstance(e, TokenEvent) else e])
+    return [tuple(r) for r in out]
+
+
+class _Choice:
+    """One choice's output gate and the token events whose text it still holds."""
+
+    def __init__(self, make_gate) -> None:
+        self.gate: OutputGate | None = make_gate() if make_gate is not None else None
+        self.held: list[TokenEvent] = []
+        self.end: FinishEvent | None = None
+        self.reason: str | None = None  # its finish_reason once ended
+
+
+def usage_of_all(adm: Admitted, ends: list[FinishEvent | None]) -> Usage:
+    """The request's usage: the prompt once, every choice's completion."""
+    if len(ends) == 1:
+        return usage_of(adm, ends[0])
+    each = [usage_of(adm, e) if e is not None else None for e in ends]
+    known = [u for u in each if u is not None]
+    p = known[0].prompt_tokens if known else adm.flight.prompt_tokens
+    cached = known[0].prompt_tokens_details.cached_tokens if known else 0
+    c = sum(u.completion_tokens for u in known)
+    return Usage(p, c, p + c, PromptTokensDetails(cached))
+
+
+async def sse_body(adm: Admitted, make_gate, coalesce: bool,
                    flush_interval_s: float = 0.0) -> AsyncIterator[bytes]:
-    """The SSE stream for one admitted request (closes its flight however it ends)."""
+    """The SSE stream for one admitted request (closes its flight however it ends).
+    `make_gate`: a new output gate per choice (None: no output check)."""
     flight = adm.flight
     try:
         w = ChunkWriter(adm)
         reader = Reader(adm, coalesce)
+        choices = [_Choice(make_gate) for _ in range(adm.n)]
         head = w.start()
         if head:
             yield head
-        held: list[TokenEvent] = []  # token events whose text the output gate still holds
         while True:
             events = await reader.batch()
-            end = events[-1]
-            tokens = [e for e in events if isinstance(e, TokenEvent)]
-            text = "".join(e.text for e in tokens)
             out = b""
-            if gate is not None:  # release token events only with their checked text
-                held += tokens
-                text = await gate.feed(text, final=not isinstance(end, TokenEvent))
-                tokens, held = (held, []) if text else ([], held)
-            out += w.tokens(text, tokens)
-            if gate is not None and gate.refused:
-                flight.close()
-                yield out + w.finish("content_filter", usage_of(adm, None))
-                return
-            if isinstance(end, FinishEvent):
-                yield out + w.finish(end.finish_reason, usage_of(adm, end))
-                return
-            if isinstance(end, ErrorEvent):
-                yield out + w.error(end)
+            for index, tokens, end in runs(events):
+                c = choices[index]
+                if isinstance(end, ErrorEvent) and (c.reason is None or end.kind != "aborted"):
+                    yield out + w.error(end)
+                    return
+                if c.reason is not None:
+                    continue  # cut by its gate: the rest of it (and its abort) dropped
+                text = "".join(e.text for e in tokens)
+                if c.gate is not None:  # release token events only with their checked text
+                    c.held += tokens
+                    text = await c.gate.feed(text, final=end is not None)
+                    tokens, c.held = (c.held, []) if text else ([], c.held)
+                out += w.tokens(text, tokens, index)
+                if c.gate is not None and c.gate.refused:
+                    c.reason = "content_filter"
+                    flight.abort_choice(index)
+                elif end is not None:
+                    c.end, c.reason = end, end.finish_reason
+                if c.reason is not None:
+                    out += w.finish_choice(c.reason, index)
+            if all(c.reason is not None for c in choices):
+                yield out + w.end(usage_of_all(adm, [c.end for c in choices]))
                 return
             if out:
                 yield out
@@ -247,31 +307,38 @@ async def sse_body(adm: Admitted, gate: OutputGate | None, coalesce: bool,
         flight.close()
 
 
-async def collect(adm: Admitted, gate: OutputGate | None) -> bytes:
+async def collect(adm: Admitted, make_gate) -> bytes:
     """The non-streaming response: read to the end, then one JSON body."""
     flight = adm.flight
     try:
         reader = Reader(adm)
-        tokens: list[TokenEvent] = []
-        while True:
-            events = await reader.batch()
-            tokens += [e for e in events if isinstance(e, TokenEvent)]
-            end = events[-1]
-            if isinstance(end, ErrorEvent):
-                raise_for(end)
-            if isinstance(end, FinishEvent):
-                break
-        text = "".join(e.text for e in tokens)
-        reason = end.finish_reason
-        if gate is not None and not await gate.feed(text, final=True) and text:
-            text, reason = "", "content_filter"
-        usage = usage_of(adm, end)
+        tokens: list[list[TokenEvent]] = [[] for _ in range(adm.n)]
+        ends: list[FinishEvent | None] = [None] * adm.n
+        while any(e is None for e in ends):
+            for index, evs, end in runs(await reader.batch()):
+                tokens[index] += evs
+                if isinstance(end, ErrorEvent):
+                    raise_for(end)
+                if end is not None:
+                    ends[index] = end
+        choices = []
+        for index, (evs, end) in enumerate(zip(tokens, ends)):
+            text = "".join(e.text for e in evs)
+            reason = end.finish_reason
+            gate = make_gate() if make_gate is not None else None
+            if gate is not None and not await gate.feed(text, final=True) and text:
+                text, reason = "", "content_filter"
+            if adm.kind == "chat":
+                choices.append(ChatChoice(index, AssistantMessage(text), reason,
+                                          chat_logprobs(adm, evs)))
+            else:
+                choices.append(CompletionChoice(index, adm.echo + text, reason,
+                                                completion_logprobs(adm, evs, 0)))
+        usage = usage_of_all(adm, ends)
         if adm.kind == "chat":
-            choice = ChatChoice(0, AssistantMessage(text), reason, chat_logprobs(adm, tokens))
             return _encode(ChatCompletion(adm.id, "chat.completion", adm.created, adm.model,
-                                          [choice], usage))
-        choice = CompletionChoice(0, text, reason, completion_logprobs(adm, tokens, 0))
+                                          choices, usage))
         return _encode(Completion(adm.id, "text_completion", adm.created, adm.model,
-                                  [choice], usage))
+                                  choices, usage))
     finally:
         flight.close()

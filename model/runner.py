@@ -315,7 +315,8 @@ class ModelRunner:
         if kind == "greedy":
             return ()
         hist = self.max_context if kind == "penalties" else 1
-        return (sampling.sampling_batch(samples, rows, hist, self._rng),)
+        return (sampling.sampling_batch(samples, rows, hist, self._rng,
+                                        self.config.vocab_size),)
 
     def _compile_copy(self) -> Callable:
         def copy(kv, src, dst):  # pool rows, every layer's
@@ -387,7 +388,8 @@ class ModelRunner:
             return {}
         if any(c.sampling.needs_penalties for c in samples):
             kind = "penalties"
-        elif all(c.sampling.is_greedy for c in samples):
+        elif all(c.sampling.is_greedy and not c.sampling.logit_bias and c.constraint is None
+                 for c in samples):
             kind = "greedy"
         else:
             kind = "full"

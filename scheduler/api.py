@@ -30,6 +30,10 @@ class GenerateRequest:
     deadline_s: float | None = None  # longest queue wait before shedding; None: the pool's
     batch: bool = False  # background batch job: runs only in idle capacity
     adapter: str | None = None  # LoRA adapter to run under (None: the base model)
+    # Structured output: the sequence's grammar state (model/grammar.GrammarConstraint:
+    # `fill(row)`, `accept(token) -> bool`, `finished`, `error`); None: free text.
+    constraint: Any = None
+    index: int = 0  # which of a request's `n` choices this is (its events carry it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ class TokenEvent:
     text: str  # final text (held back while it could still be part of a stop string)
     token_ids: tuple[int, ...]
     logprobs: tuple[Any, ...] = ()  # per token: SampledToken-like (token_id, logprob, top_logprobs)
+    index: int = 0  # the choice (GenerateRequest.index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,7 @@ class FinishEvent:
     ttft_s: float | None
     queue_s: float | None
     e2e_s: float
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +61,15 @@ class ErrorEvent:
     message: str
     kind: str = "server_error"  # "server_error" | "shed" (waited past its deadline) | "overloaded"
     retry_after_s: float | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RequestHandle:
     """What `submit` returns. `events` is a bounded `trio.MemoryReceiveChannel` yielding
-    TokenEvents then exactly one FinishEvent or ErrorEvent, then end of channel. (Typed
+    TokenEvents then exactly one FinishEvent or ErrorEvent, then end of channel (None when
+    the caller passed its own channel: the choices of one request share a stream, each
+    event tagged with its `index`, the end of channel after the last one's end). (Typed
     loosely so this module stays free of trio.)"""
 
     request_id: str

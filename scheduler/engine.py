@@ -38,11 +38,12 @@ together; admission and the step log already live in their own modules.)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import trio
 
@@ -119,10 +120,12 @@ class Engine:
             self.scheduler.cost.seed(*times[self._seeded])
             self._seeded += 1
 
-    def submit(self, req: GenerateRequest) -> RequestHandle:
+    def submit(self, req: GenerateRequest, events: Any = None) -> RequestHandle:
         """Queue a request; never blocks. Raises `Overloaded` (draining, or refused by
         `Admission.check`: queue full, expected time to first token past the target),
-        `EngineDead`, or ValueError for a request this replica can never serve."""
+        `EngineDead`, or ValueError for a request this replica can never serve.
+        `events`: a send channel to clone for this sequence's events (one of `n`
+        choices sharing the caller's stream); None: a channel of its own."""
         if not self._alive:
             raise EngineDead(f"engine {self.name!r} is dead")
         if self._draining:
@@ -144,13 +147,17 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._arrivals += 1
         seq.seq_id = self._new_seq_id()
-        send, recv = trio.open_memory_channel(EVENT_BUFFER)
+        if events is None:
+            send, recv = trio.open_memory_channel(EVENT_BUFFER)
+        else:
+            send, recv = events.clone(), None
         stop_ids = frozenset(req.stop_token_ids)
         if not req.ignore_eos:
             stop_ids |= self.runner.eos_token_ids
         seq.output = OutputStream(
             self.detokenizer.incremental(seq.prompt_ids), stop_ids=stop_ids, stops=req.stop,
-            channel=send, want_logprobs=req.sampling.logprobs or req.sampling.top_logprobs > 0)
+            channel=send, want_logprobs=req.sampling.logprobs or req.sampling.top_logprobs > 0,
+            index=req.index)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -257,7 +264,14 @@ class Engine:
             if seq.first_token_at is None:
                 seq.first_token_at = t1
             out = seq.output
+            grammar = seq.constraint
+            if grammar is not None and not grammar.accept(tok.token_id):
+                self._end_request(seq, "error", ErrorEvent(
+                    message=f"structured output failed: {grammar.error}"))
+                continue
             reason = "stop" if out.append(tok) else None
+            if reason is None and grammar is not None and grammar.finished:
+                reason = "stop"  # the grammar is complete: nothing more may follow
             if reason is None and (seq.num_generated >= seq.max_tokens
                                    or seq.num_tokens >= max_context):
                 reason = "length"
@@ -313,7 +327,7 @@ class Engine:
                 self.admission.completed(now, seq.num_generated)
             out.final = seq.finish_event()
         else:
-            out.final = error
+            out.final = error if not seq.index else dataclasses.replace(error, index=seq.index)
         if seq.aborted:
             # Nobody is listening (or will be soon): say goodbye once, never hold state.
             self._deliver(seq)

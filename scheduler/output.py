@@ -22,7 +22,7 @@ from .protocol import IncrementalDecoder, SampledToken
 
 class OutputStream:
     __slots__ = ("decoder", "stop_ids", "stops", "_stop_chars", "held", "channel",
-                 "want_logprobs", "_text", "_ids", "_logprobs", "final", "stopped")
+                 "want_logprobs", "_text", "_ids", "_logprobs", "final", "stopped", "index")
 
     def __init__(
         self,
@@ -32,6 +32,7 @@ class OutputStream:
         stops: Sequence[str],
         channel: Any,
         want_logprobs: bool = False,
+        index: int = 0,
     ) -> None:
         self.decoder = decoder
         self.stop_ids = stop_ids
@@ -45,6 +46,7 @@ class OutputStream:
         self._logprobs: list[SampledToken] = []
         self.final: Any = None  # FinishEvent / ErrorEvent waiting to be delivered
         self.stopped = False  # a stop string or stop token was seen: ignore the rest
+        self.index = index  # the request's choice this stream is (its events say so)
 
     def append(self, tok: SampledToken) -> bool:
         """Take one sampled token. True when it ends the stream ("stop").
@@ -126,7 +128,7 @@ class OutputStream:
     def token_event(self) -> TokenEvent:
         """Everything pending, as one event (not yet cleared: see `sent`)."""
         return TokenEvent(text="".join(self._text), token_ids=tuple(self._ids),
-                          logprobs=tuple(self._logprobs))
+                          logprobs=tuple(self._logprobs), index=self.index)
 
     def sent(self) -> None:
         self._text.clear()

@@ -18,7 +18,7 @@ Invariants a runner may rely on:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
+    # (token id, bias) added to the logits before sampling (OpenAI's `logit_bias`;
+    # -100 bans a token, +100 all but forces it). Logprobs stay the model's own.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -69,6 +72,9 @@ class SeqChunk:
     penalty_token_ids: Sequence[int] = ()
     prompt_token_ids: Sequence[int] = ()
     adapter_slot: int = -1  # the LoRA adapter slot its tokens run under; -1: the base model
+    # Structured output (model/grammar.py): writes the tokens allowed next into a bitmask
+    # row (`fill`) when the chunk samples; None: any token.
+    constraint: Any = None
 
 
 @dataclass(slots=True)

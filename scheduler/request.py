@@ -40,7 +40,7 @@ class Sequence:
         "request_id", "seq_id", "phase",
         "prompt_ids", "token_ids", "output_ids", "max_tokens",
         "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
-        "adapter", "adapter_slot",
+        "adapter", "adapter_slot", "constraint", "index",
         "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
@@ -75,6 +75,8 @@ class Sequence:
                            else f"{req.cache_salt}\x00lora:{req.adapter}")
         self.adapter = req.adapter  # LoRA adapter name, None: the base model
         self.adapter_slot = -1  # the slot holding it while the sequence runs
+        self.constraint = req.constraint  # structured output's grammar state, or None
+        self.index = req.index  # which of its request's choices
         self.kv_pages: list[int] = []  # page table: page id per page_size positions
         self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)
         self.num_computed_tokens = 0
@@ -141,6 +143,7 @@ class Sequence:
             penalty_token_ids=self.output_ids,
             prompt_token_ids=self.prompt_ids,
             adapter_slot=self.adapter_slot,
+            constraint=self.constraint if end == len(self.token_ids) else None,
         )
 
     def finish_event(self) -> FinishEvent:
@@ -155,6 +158,7 @@ class Sequence:
             ttft_s=None if self.first_token_at is None else self.first_token_at - arrived,
             queue_s=None if self.admitted_at is None else self.admitted_at - arrived,
             e2e_s=self.finished_at - arrived,
+            index=self.index,
         )
 
     def __repr__(self) -> str:

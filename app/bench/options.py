@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ class BenchConfig:
     max_inflight: int = 512
     metrics_interval_s: float = 1.0
     adapters: int = 0  # spread requests over this many LoRA adapters of the model
+    extra_body: dict | None = None  # more fields for every request body
     adapter_dist: str = "uniform"
     progress: bool = True
     out: Path | None = None
@@ -99,6 +101,16 @@ def itl_label(target: float) -> str:
     return "itl-off" if target == 0 else f"itl-{target * 1000:g}ms"
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object, e.g. '{\"seed\": 1}'")
+    return value
+
+
 def _ints(text: str) -> list[int]:
     return _numbers(text, int, 1, "numbers like 1,4,8", "concurrencies")
 
@@ -125,6 +137,9 @@ def _common(p: argparse.ArgumentParser) -> None:
       help='send "ignore_eos": true so that answers run to max_tokens (vLLM, Sluice)')
     a("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     a("--max-tokens", type=int, help="fixed answer cap instead of the workload's range")
+    a("--extra-body", type=_json_object, metavar="JSON",
+      help='more request fields for every request, e.g. \'{"response_format": {"type": '
+           '"json_object"}}\' (structured output\'s cost)')
     a("--no-calibrate", dest="calibrate", action="store_false",
       help="do not call POST /tokenize; assume 0.75 words a token")
     a("--words-per-token", type=float, help="use this ratio instead of calibrating")

@@ -134,6 +134,7 @@ async def run_bench(cfg: BenchConfig) -> Result:
             extra["temperature"] = cfg.temperature
         if cfg.ignore_eos:
             extra["ignore_eos"] = True
+        extra.update(cfg.extra_body or {})
         mix = None
         if cfg.adapters:
             mix = AdapterMix(await adapters_of(side, model, cfg.adapters), cfg.adapter_dist,

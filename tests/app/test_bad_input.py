@@ -66,7 +66,7 @@ CASES = [
      None),
     ("seed absurd", CHAT, chat(seed=2**70), 400, "seed", None),
     ("priority absurd", CHAT, chat(priority=10**9), 400, "priority", None),
-    ("n=2", CHAT, chat(n=2), 400, "n", None),
+    ("n=17", CHAT, chat(n=17), 400, "n", None),
     ("best_of=3", COMP, comp(best_of=3), 400, "best_of", None),
     ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", None),
@@ -75,11 +75,25 @@ CASES = [
     ("empty stop string", CHAT, chat(stop=[""]), 400, "stop[0]", None),
     ("stop_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400,
      "stream_options", None),
-    ("unsupported params", CHAT, chat(tools=[], logit_bias={"1": 2}, response_format={}), 400,
-     "logit_bias", "unsupported_parameter"),
+    ("unsupported params", CHAT, chat(tools=[], functions=[]), 400, "functions",
+     "unsupported_parameter"),
     ("unsupported nested param", CHAT, chat(stream_options={"continuous_usage": True}), 400,
      "stream_options.continuous_usage", "unsupported_parameter"),
-    ("echo", COMP, comp(echo=True), 400, "echo", "unsupported_parameter"),
+    ("echo with logprobs", COMP, comp(echo=True, logprobs=1), 400, "echo",
+     "unsupported_parameter"),
+    ("logit_bias out of vocab", CHAT, chat(logit_bias={"5000": 1}), 400, "logit_bias",
+     "invalid_token_id"),
+    ("logit_bias not a token id", COMP, comp(logit_bias={"a": 1}), 400, "logit_bias",
+     "invalid_token_id"),
+    ("logit_bias absurd", CHAT, chat(logit_bias={"5": 1000}), 400, None, None),
+    ("response_format unknown type", CHAT, chat(response_format={"type": "yaml"}), 400,
+     "response_format.type", "invalid_value"),
+    # The fake model's tokenizer is no Hugging Face one: no grammar can drive it.
+    ("structured output without a tokenizer for it", CHAT,
+     chat(response_format={"type": "json_object"}), 400, "response_format", "invalid_grammar"),
+    ("two kinds of structured output", CHAT, chat(guided_regex="a", guided_choice=["b"]), 400,
+     "guided_choice", "conflicting_parameters"),
+    ("store true", CHAT, chat(store=True), 400, "store", "unsupported_value"),
     ("suffix", COMP, comp(suffix="x"), 400, "suffix", "unsupported_parameter"),
     ("several prompts", COMP, comp(prompt=["a", "b"]), 400, "prompt", None),
     ("nested prompt", COMP, comp(prompt=[[1, 2]]), 400, "prompt[0]", None),
@@ -105,12 +119,14 @@ async def test_every_bad_input_is_refused_and_the_server_keeps_serving():
                 assert_error(r, status, param=param, code=code)
             except AssertionError as e:
                 raise AssertionError(f"case {case!r}: {e}") from None
-        err = assert_error(await http.post(CHAT, json=chat(tools=[], logit_bias={},
-                                                           response_format={})), 400)
-        assert all(f"`{p}`" in err["message"] for p in ("tools", "logit_bias",
-                                                        "response_format")), err
-        # A normal request still works, and nothing leaked.
-        r = await http.post(CHAT, json=chat(max_tokens=3))
+        err = assert_error(await http.post(CHAT, json=chat(tools=[], functions=[],
+                                                           tool_choice="auto")), 400)
+        assert all(f"`{p}`" in err["message"] for p in ("tools", "functions",
+                                                        "tool_choice")), err
+        # A normal request still works (with the parameters accepted and ignored), and
+        # nothing leaked.
+        r = await http.post(CHAT, json=chat(max_tokens=3, store=False, metadata={"a": "b"},
+                                            parallel_tool_calls=False, reasoning_effort="low"))
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hij"
         await srv.wait_idle()
         assert srv.pages_in_use() == 0 and not srv.state.flights

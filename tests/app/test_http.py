@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 from tests.app.harness import EOS, MODEL, VOCAB, assert_error, serve, sse_events
@@ -185,3 +187,66 @@ async def test_health_and_metrics_say_what_is_still_warming():
         rss = [line for line in metrics.splitlines()
                if line.startswith("process_resident_memory_bytes ")]
         assert rss and float(rss[0].split()[1]) > 10e6
+
+
+async def test_n_choices_streamed_and_whole_with_usage_counting_the_prompt_once():
+    """n=3 on the fake model: three choices, each with its index and finish_reason,
+    interleaved in the stream; usage counts the prompt once and every choice's tokens;
+    echo puts the prompt before each completion; every page comes back."""
+    async with serve() as srv, srv.client() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "n": 3, "seed": 1}
+        r = await http.post("/v1/chat/completions", json=body)
+        out = r.json()
+        assert r.status_code == 200, out
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert {c["message"]["content"] for c in out["choices"]} == {"hijk"}
+        assert all(c["finish_reason"] == "length" for c in out["choices"])
+        prompt = out["usage"]["prompt_tokens"]
+        assert out["usage"]["completion_tokens"] == 12
+        assert out["usage"]["total_tokens"] == prompt + 12
+
+        r = await http.post("/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        text = {i: "" for i in range(3)}
+        finish = {}
+        for c in chunks:
+            for ch in c["choices"]:
+                text[ch["index"]] += ch["delta"].get("content") or ""
+                if ch["finish_reason"]:
+                    finish[ch["index"]] = ch["finish_reason"]
+        assert text == {i: "hijk" for i in range(3)} and finish == {i: "length" for i in range(3)}
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == prompt
+        assert r.text.endswith("data: [DONE]\n\n")
+
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "abc",
+                                                     "max_tokens": 2, "n": 2, "echo": True})
+        assert [c["text"] for c in r.json()["choices"]] == ["abcwx", "abcwx"]
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0 and not srv.state.flights
+
+
+async def test_the_bodies_guidellm_sends_are_served():
+    """GuideLLM 0.8.1's request bodies, as its OpenAI backend builds them
+    (backends/openai/request_handlers.py): streaming with `continuous_usage_stats`, a fixed
+    output length through `max_completion_tokens` (chat) or `max_tokens` (completions),
+    `stop: null` and `ignore_eos`. Every chunk carries the usage so far. (GuideLLM itself
+    needs torch, transformers and datasets: not installed here; docs/api.md.)"""
+    async with serve() as srv, srv.client() as http:
+        common = {"model": MODEL, "stream": True, "stop": None, "ignore_eos": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        for path, body in [
+            ("/v1/chat/completions", {**common, "max_completion_tokens": 5,
+                                      "messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/completions", {**common, "max_tokens": 5, "prompt": "abc"}),
+        ]:
+            r = await http.post(path, json=body)
+            assert r.status_code == 200, r.text
+            chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+            assert chunks and all("usage" in c for c in chunks), chunks
+            assert chunks[-1]["usage"]["completion_tokens"] == 5
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0

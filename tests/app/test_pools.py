@@ -18,7 +18,7 @@ class StubEngine:
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[str] = []
 
-    def submit(self, req: GenerateRequest):
+    def submit(self, req: GenerateRequest, events=None):
         if self.refuse is not None:
             raise self.refuse
         self.submitted.append(req)

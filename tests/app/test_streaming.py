@@ -41,7 +41,7 @@ def admitted(kind: str, events, include_usage: bool = True) -> tuple[Admitted, S
     flight = Flight(state, pool, lease, prompt_tokens=3)  # type: ignore[arg-type]
     state.add_flight(flight)
     flight.submitted(0, Handle(events))
-    adm = Admitted(flight, kind, "id-1", 123, "m", True, include_usage, None, tenant,
+    adm = Admitted(flight, kind, "id-1", 123, "m", True, include_usage, False, None, tenant,
                    trio.current_time())
     return adm, pool
 

@@ -1,0 +1,80 @@
+"""The prompt of a completion request: the body's cross-field checks, the chat template
+and tokenizing (off the event loop when it is long), and the checks on what comes out
+(token ids in the vocabulary, not empty)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import trio
+
+from .errors import bad_request
+from .pools import Pool
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+# Prompts longer than this many characters are tokenized in a worker thread, so a 4 MiB
+# body does not stall every other stream on the event loop.
+THREAD_TOKENIZE_CHARS = 20_000
+
+
+async def tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
+                    ) -> tuple[list[int], str]:
+    """Prompt token ids, and the prompt's text for the input guardrail."""
+    tok = pool.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        text = "\n".join(m.text() for m in req.messages)
+        ids = await _maybe_thread(len(text), encode_messages, pool, req.messages)
+    elif isinstance(req.prompt, list) and all(isinstance(t, int) for t in req.prompt):
+        ids = list(req.prompt)
+        bad = [t for t in ids if not 0 <= t < pool.vocab_size]  # type: ignore[operator]
+        if bad:
+            raise bad_request(f"Token ids must be in [0, {pool.vocab_size}); got {bad[:5]}.",
+                              param="prompt", code="invalid_token_id")
+        text = tok.decode(ids)
+    else:
+        text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
+        ids = await _maybe_thread(len(text), tok.encode, text)
+    if not ids:
+        raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
+    return list(ids), text
+
+
+def encode_messages(pool: Pool, messages: Sequence[ChatMessage]) -> list[int]:
+    """Render the chat template and tokenize ("developer" is the template's "system")."""
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+             for m in messages]
+    try:
+        return pool.tokenizer.encode_chat(plain)
+    except ValueError as e:  # the template refused (e.g. roles out of the order it wants)
+        raise bad_request(f"The chat template cannot render these messages: {e}",
+                          param="messages", code="invalid_messages") from None
+
+
+async def _maybe_thread(size: int, fn, *args):
+    if size < THREAD_TOKENIZE_CHARS:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+def chat_checks(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
+    if (req.max_tokens is not None and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens):
+        raise bad_request("`max_tokens` and `max_completion_tokens` disagree; send one.",
+                          param="max_completion_tokens")
+    return req.max_completion_tokens or req.max_tokens
+
+
+def completion_checks(req: CompletionRequest) -> int | None:
+    if req.echo and req.logprobs is not None:
+        raise bad_request("`echo` with `logprobs` would need the prompt's logprobs, which "
+                          "this server does not compute; send one of them.", param="echo",
+                          code="unsupported_parameter")
+    if isinstance(req.prompt, list):
+        ints = all(isinstance(t, int) for t in req.prompt)
+        one_str = len(req.prompt) == 1 and isinstance(req.prompt[0], str)
+        if not (ints or one_str):
+            raise bad_request("`prompt` must be one string or one list of token ids "
+                              "(one prompt per request).", param="prompt")
+    return req.max_tokens
