@@ -35,11 +35,6 @@ class GrammarError(ValueError):
     """A grammar this engine cannot compile (the message says what and where)."""
 
 
-def mask_words(vocab_size: int) -> int:
-    """int32 words of a token bitmask for this vocabulary."""
-    return (vocab_size + 31) // 32
-
-
 def json_schema_grammar(schema: dict | bool) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),

@@ -217,9 +217,6 @@ class ChunkWriter:
             out += self._event(obj)
         return out + DONE
 
-    def finish(self, reason: str, usage: Usage | None) -> bytes:
-        return self.finish_choice(reason) + self.end(usage)
-
     def error(self, ev: ErrorEvent) -> bytes:
         return self._event(error_body(ev)) + DONE
 
@@ -253,8 +250,7 @@ def usage_of_all(adm: Admitted, ends: list[FinishEvent | None]) -> Usage:
     """The request's usage: the prompt once, every choice's completion."""
     if len(ends) == 1:
         return usage_of(adm, ends[0])
-    each = [usage_of(adm, e) if e is not None else None for e in ends]
-    known = [u for u in each if u is not None]
+    known = [usage_of(adm, e) for e in ends if e is not None]
     p = known[0].prompt_tokens if known else adm.flight.prompt_tokens
     cached = known[0].prompt_tokens_details.cached_tokens if known else 0
     c = sum(u.completion_tokens for u in known)

@@ -32,8 +32,9 @@ ErrorEvent and the loop goes on; `max_consecutive_failures` in a row mean the ru
 broken, so the engine marks itself dead (health checks see `alive == False`), fails
 everything, and `run()` returns. `submit` then raises `EngineDead`.
 
-(Just under 400 lines: the loop, submit/abort and the one path that ends a request stay
-together; admission and the step log already live in their own modules.)
+(A little over 400 lines: the loop, submit/abort and the one path that ends a request stay
+together, now with structured output's token hand-off and `n` choices' shared channel;
+admission and the step log already live in their own modules.)
 """
 
 from __future__ import annotations
