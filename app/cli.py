@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("dst")
     v.set_defaults(run=_convert)
 
+    t = sub.add_parser("export-tokenizer",
+                       help="write a model's tokenizer as a Hugging Face tokenizer directory")
+    t.add_argument("src", help="model source, as `serve --model` takes it")
+    t.add_argument("dst")
+    t.set_defaults(run=_export_tokenizer)
+
     from .batch_cli import add_parser as add_batch
 
     add_batch(sub)
@@ -173,6 +179,14 @@ def _convert(args: argparse.Namespace) -> int:
     from model.weights import load_model
 
     print(save_orbax(load_model(args.src), args.dst))
+    return 0
+
+
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from model.weights import load_model
+
+    m = load_model(args.src, progress=False)
+    print(m.tokenizer.save_hf_dir(args.dst, model_max_length=m.config.max_position))
     return 0
 
 

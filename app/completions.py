@@ -52,6 +52,10 @@ class Admitted:
     arrival: float  # trio.current_time() when the body arrived
     echo: str = ""  # completions' `echo`: the prompt's text, sent before the answer
     n: int = 1  # choices
+    sequences: int = 1  # generated: n, or completions' `best_of` (the best n returned)
+    # With `echo` and `logprobs`: the prompt's ids, whose logprobs come first.
+    prompt_ids: Sequence[int] = ()
+    score_only: bool = False  # completions' `max_tokens: 0` with `echo`: no answer
 
 
 def check_phase(state: ServerState) -> None:
@@ -143,14 +147,21 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     a restart)."""
     req = p.req
     n = req.n or 1
+    sequences = getattr(req, "best_of", None) or n
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
     candidates: list[Pool] = []
     if batch is None:  # a refusal needs no tokenizing or template rendering
         candidates = state.router.candidates(req.model)  # type: ignore[union-attr]
         _precheck(candidates, p.max_tokens)
     with _tokenizing(candidates):
         pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
-        sampling = _sampling(req, pool, p.logprobs)
-        constraints = [await constraint_for(pool, p.grammar) for _ in range(n)]
+        # best_of ranks its sequences by their tokens' logprobs: computed, shown only if asked.
+        sampling = _sampling(req, pool, p.logprobs, rank=sequences > n)
+        constraints = [await constraint_for(pool, p.grammar) for _ in range(sequences)]
+    # `max_tokens: 0` with `echo` scores the prompt: one token is generated (the prompt's
+    # last position is computed anyway) and dropped from the answer (app/streaming.py).
+    score_only = max_tokens == 0
+    max_tokens = max(1, max_tokens)
 
     if batch is None:
         if len(state.flights) >= state.settings.server.max_streams:
@@ -159,7 +170,7 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
                 f"The server is at its limit of {state.settings.server.max_streams} "
                 "requests in flight.", 1.0, code="server_busy")
         try:
-            lease = state.tenants.admit(tenant, len(prompt_ids) + n * max_tokens)
+            lease = state.tenants.admit(tenant, len(prompt_ids) + sequences * max_tokens)
         except APIError as e:
             state.metrics.reject(pool.model_name, pool.name, e.detail.code or "tenant")
             raise
@@ -193,11 +204,12 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
             f"{tenant.cache_salt}\x00{_generation(pool, adapter)}",
             adapter=adapter,
             deadline_s=BATCH_QUEUE_DEADLINE_S if batch else tenant.config.queue_deadline_s,
-            request_id=request_id if n == 1 else f"{request_id}-{i}",
+            request_id=request_id if sequences == 1 else f"{request_id}-{i}",
             batch=batch is not None and batch.background,
             constraint=constraints[i],
             index=i,
-        ) for i in range(n)]
+            prompt_logprobs=p.logprobs if echo and p.logprobs is not None else None,
+        ) for i in range(sequences)]
         flight.submitted(*_submit_all(pool, greqs))
         if flight.closed:
             raise unavailable("The server is shutting down.", "draining")
@@ -217,8 +229,11 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         logprobs=p.logprobs,
         tenant=tenant,
         arrival=arrival,
-        echo=text if isinstance(req, CompletionRequest) and req.echo else "",
+        echo=text if echo else "",
         n=n,
+        sequences=sequences,
+        prompt_ids=prompt_ids if echo and p.logprobs is not None else (),
+        score_only=score_only,
     )
 
 
@@ -298,7 +313,7 @@ def _submit(pool: Pool, greq: GenerateRequest, events=None,
 
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest, pool: Pool,
-              logprobs: int | None) -> SamplingParams:
+              logprobs: int | None, rank: bool = False) -> SamplingParams:
     top_k = req.top_k or 0
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -309,7 +324,7 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, pool: Pool,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=logprobs is not None,
+        logprobs=logprobs is not None or rank,
         top_logprobs=logprobs or 0,
         logit_bias=logit_bias_of(req, pool.vocab_size),
     )

@@ -57,6 +57,8 @@ async def _maybe_thread(size: int, fn, *args):
 
 
 def chat_checks(req: ChatCompletionRequest) -> int | None:
+    if req.max_tokens == 0:
+        raise bad_request("`max_tokens` must be at least 1.", param="max_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
     if (req.max_tokens is not None and req.max_completion_tokens is not None
@@ -67,10 +69,18 @@ def chat_checks(req: ChatCompletionRequest) -> int | None:
 
 
 def completion_checks(req: CompletionRequest) -> int | None:
-    if req.echo and req.logprobs is not None:
-        raise bad_request("`echo` with `logprobs` would need the prompt's logprobs, which "
-                          "this server does not compute; send one of them.", param="echo",
-                          code="unsupported_parameter")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("`max_tokens` of 0 needs `echo` (it returns the prompt and, with "
+                          "`logprobs`, the prompt's logprobs); otherwise at least 1.",
+                          param="max_tokens")
+    n = req.n or 1
+    best_of = req.best_of or n
+    if best_of < n:
+        raise bad_request(f"`best_of` ({best_of}) must be at least `n` ({n}).",
+                          param="best_of")
+    if req.stream and best_of > n:
+        raise bad_request("`best_of` above `n` cannot be streamed: the best are known only "
+                          "at the end.", param="best_of")
     if isinstance(req.prompt, list):
         ints = all(isinstance(t, int) for t in req.prompt)
         one_str = len(req.prompt) == 1 and isinstance(req.prompt[0], str)

@@ -100,7 +100,7 @@ class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0: completions' echo only
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off
@@ -146,7 +146,7 @@ class CompletionRequest(_GenerateParams, kw_only=True):
     prompt: str | Annotated[list[int | str], Meta(min_length=1)]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
-    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
+    best_of: Annotated[int, Meta(ge=1, le=16)] | None = None  # >= n; ranked by mean logprob
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -233,8 +233,8 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -317,7 +317,7 @@ T = TypeVar("T")
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<name>.+)`")
 _HINTS = {
     "n": "1 to 16 choices per request",
-    "best_of": "this server returns one choice per request",
+    "best_of": "1 to 16 sequences, at least `n`",
     "stop": "up to 4 non-empty stop strings",
     "top_logprobs": "0 to 20",
     "logprobs": "0 to 20 for completions, a boolean for chat",

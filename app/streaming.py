@@ -19,6 +19,7 @@ only ever wraps the `receive`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import AsyncIterator
 
 import msgspec
@@ -77,6 +78,8 @@ class Reader:
         if isinstance(out[-1], FinishEvent) and out[-1].finish_reason == "abort":
             out[-1] = ErrorEvent("the engine aborted the request", kind="aborted",
                                  index=out[-1].index)
+        if self.adm.score_only:
+            out = [_answerless(e) for e in out]
         self._observe(out)
         return out
 
@@ -95,6 +98,15 @@ class Reader:
             self.e2e.observe(now - self.adm.arrival)
             if end.queue_s is not None:
                 self.queue.observe(end.queue_s)
+
+
+def _answerless(ev):
+    """`max_tokens: 0` with `echo`: the one token generated is not part of the answer."""
+    if isinstance(ev, TokenEvent):
+        return TokenEvent("", (), (), ev.index, ev.prompt_logprobs)
+    if isinstance(ev, FinishEvent):
+        return dataclasses.replace(ev, finish_reason="length", completion_tokens=0)
+    return ev
 
 
 def usage_of(adm: Admitted, fin: FinishEvent | None) -> Usage:
@@ -143,21 +155,39 @@ def chat_logprobs(adm: Admitted, events: list[TokenEvent]) -> ChatLogprobs | Non
     return ChatLogprobs(out)
 
 
-def completion_logprobs(adm: Admitted, events: list[TokenEvent], offset: int
-                        ) -> CompletionLogprobs | None:
+def completion_logprobs(adm: Admitted, events: list[TokenEvent], offset: int,
+                        prompt: bool = False) -> CompletionLogprobs | None:
+    """The legacy logprobs object; `prompt`: the echoed prompt's tokens first (the first
+    one without a logprob, as OpenAI's), their logprobs from the first token event."""
     if adm.logprobs is None:
         return None
     lp_out = CompletionLogprobs([], [], [], [])
+
+    def add(token_id: int, lp) -> None:
+        nonlocal offset
+        tok = _token_text(adm, token_id)
+        lp_out.tokens.append(tok)
+        lp_out.token_logprobs.append(None if lp is None else lp.logprob)
+        lp_out.top_logprobs.append(None if lp is None else {
+            _token_text(adm, a.token_id): a.logprob for a in lp.top_logprobs or ()})
+        lp_out.text_offset.append(offset)
+        offset += len(tok)
+
+    if prompt:
+        scores = next((e.prompt_logprobs for e in events if e.prompt_logprobs), ())
+        for j, token_id in enumerate(adm.prompt_ids):
+            add(token_id, scores[j - 1] if 0 < j <= len(scores) else None)
     for ev in events:
         for lp in ev.logprobs:
-            tok = _token_text(adm, lp.token_id)
-            lp_out.tokens.append(tok)
-            lp_out.token_logprobs.append(lp.logprob)
-            lp_out.top_logprobs.append(
-                {_token_text(adm, a.token_id): a.logprob for a in lp.top_logprobs or ()})
-            lp_out.text_offset.append(offset)
-            offset += len(tok)
+            add(lp.token_id, lp)
     return lp_out
+
+
+def _mean_logprob(events: list[TokenEvent]) -> float:
+    """best_of's ranking: the mean logprob of a sequence's tokens (OpenAI's "highest log
+    probability per token")."""
+    lps = [lp.logprob for e in events for lp in e.logprobs]
+    return sum(lps) / len(lps) if lps else float("-inf")
 
 
 # -------------------------------------------------------------------------------- chunks
@@ -168,12 +198,18 @@ class ChunkWriter:
         self.adm = adm
         self.chat = adm.kind == "chat"
         self.offsets = [0] * adm.n  # completions' logprob text offsets, per choice
+        # Completions' echo with logprobs goes out with the first tokens, which bring the
+        # prompt's logprobs; without logprobs it goes first (`start`).
+        self.echo_due = [bool(adm.echo) and adm.logprobs is not None] * adm.n
 
     def _event(self, obj: object) -> bytes:
         return b"data: " + _encode(obj) + b"\n\n"
 
     def _chunk(self, text: str | None, finish: str | None, events: list[TokenEvent],
                role: bool = False, index: int = 0) -> bytes:
+        prompt = not self.chat and self.echo_due[index]
+        if prompt:
+            text, self.echo_due[index] = self.adm.echo + (text or ""), False
         a = self.adm
         usage = None
         if a.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far
@@ -185,7 +221,7 @@ class ChunkWriter:
             obj: object = ChatCompletionChunk(a.id, "chat.completion.chunk", a.created,
                                               a.model, [choice], usage)
         else:
-            lps = completion_logprobs(a, events, self.offsets[index])
+            lps = completion_logprobs(a, events, self.offsets[index], prompt)
             self.offsets[index] += len(text or "")
             obj = Completion(a.id, "text_completion", a.created, a.model,
                              [CompletionChoice(index, text or "", finish, lps)], usage)
@@ -197,10 +233,11 @@ class ChunkWriter:
                             for i in range(self.adm.n))
         echo = self.adm.echo
         return b"".join(self._chunk(echo, None, [], index=i) for i in range(self.adm.n)
-                        ) if echo else b""
+                        ) if echo and self.adm.logprobs is None else b""
 
     def tokens(self, text: str, events: list[TokenEvent], index: int = 0) -> bytes:
-        if not text and not (self.adm.logprobs is not None and events):
+        if not text and not (self.adm.logprobs is not None and events) and not (
+                self.echo_due[index]):
             return b""
         return self._chunk(text, None, events, index=index)
 
@@ -308,8 +345,8 @@ async def collect(adm: Admitted, make_gate) -> bytes:
     flight = adm.flight
     try:
         reader = Reader(adm)
-        tokens: list[list[TokenEvent]] = [[] for _ in range(adm.n)]
-        ends: list[FinishEvent | None] = [None] * adm.n
+        tokens: list[list[TokenEvent]] = [[] for _ in range(adm.sequences)]
+        ends: list[FinishEvent | None] = [None] * adm.sequences
         while any(e is None for e in ends):
             for index, evs, end in runs(await reader.batch()):
                 tokens[index] += evs
@@ -317,8 +354,10 @@ async def collect(adm: Admitted, make_gate) -> bytes:
                     raise_for(end)
                 if end is not None:
                     ends[index] = end
+        best = sorted(range(adm.sequences), key=lambda i: -_mean_logprob(tokens[i]))
+        picked = best[:adm.n] if adm.sequences > adm.n else range(adm.n)
         choices = []
-        for index, (evs, end) in enumerate(zip(tokens, ends)):
+        for index, (evs, end) in enumerate((tokens[i], ends[i]) for i in picked):
             text = "".join(e.text for e in evs)
             reason = end.finish_reason
             gate = make_gate() if make_gate is not None else None
@@ -328,8 +367,8 @@ async def collect(adm: Admitted, make_gate) -> bytes:
                 choices.append(ChatChoice(index, AssistantMessage(text), reason,
                                           chat_logprobs(adm, evs)))
             else:
-                choices.append(CompletionChoice(index, adm.echo + text, reason,
-                                                completion_logprobs(adm, evs, 0)))
+                choices.append(CompletionChoice(index, adm.echo + text, reason, completion_logprobs(
+                    adm, evs, 0, prompt=bool(adm.prompt_ids))))
         usage = usage_of_all(adm, ends)
         if adm.kind == "chat":
             return _encode(ChatCompletion(adm.id, "chat.completion", adm.created, adm.model,

@@ -166,7 +166,8 @@ def _rope(x, cos, sin):
 def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelConfig,
             inv_freq, attention, dec_rows: int, pf_blocks: int, block_q: int,
             feature_major: bool = False):
-    """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32).
+    """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32, the last
+    layer's residual stream for every token: `head_logits` scores prompt tokens from it).
 
     `attention` is an `AttentionBackend` (pallas_kernels); `b.decode`/`b.prefill` carry
     its metadata and `attn_state` whatever device state it keeps across steps.
@@ -266,13 +267,20 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
 
     (x, k_pool, v_pool), _ = jax.lax.scan(
         layer, (x, *kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-    if fm:  # [hidden, S] -> logits [S, vocab]
-        hs = _rms_norm(x[:, b.sample_idx], params["final_norm"], cfg.rms_norm_eps, 0)
+    return (k_pool, v_pool), head_logits(params, x, b.sample_idx, cfg=cfg, feature_major=fm), x
+
+
+def head_logits(params, x, rows=None, *, cfg: ModelConfig, feature_major: bool = False):
+    """Final norm and lm_head: logits [S, vocab] float32 of the tokens `rows` of the last
+    layer's residual stream `x` ([T, hidden], or [hidden, T] feature-major; None: all)."""
+    if feature_major:  # [hidden, S] -> logits [S, vocab]
+        hs = _rms_norm(x if rows is None else x[:, rows], params["final_norm"],
+                       cfg.rms_norm_eps, 0)
         logits = (params.get("lm_head", params["embed"]) @ hs).T
     else:
-        hs = _rms_norm(x[b.sample_idx], params["final_norm"], cfg.rms_norm_eps)
+        hs = _rms_norm(x if rows is None else x[rows], params["final_norm"], cfg.rms_norm_eps)
         if "lm_head" in params:
             logits = hs @ params["lm_head"]
         else:
             logits = jnp.einsum("sh,vh->sv", hs, params["embed"])
-    return (k_pool, v_pool), logits.astype(jnp.float32)
+    return logits.astype(jnp.float32)

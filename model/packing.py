@@ -10,7 +10,7 @@ its own metadata. Nothing here compiles or touches a device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +39,9 @@ class StepLayout:
     prefill: GroupLayout
     samples: list[SeqChunk]  # the chunks that sample, in sample-row order
     real_tokens: int
+    # Chunks whose prompt tokens are scored (`SeqChunk.score_targets`), with the flat
+    # token row each starts at.
+    scored: list[tuple[SeqChunk, int]] = field(default_factory=list)
 
 
 def sample_rows(bucket: Bucket, block_q: int, max_prefill_seqs: int) -> int:
@@ -76,6 +79,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
     prefill = GroupLayout.empty(blocks, pages_per_seq)
     sample_idx = np.zeros(n_samples, np.int32)
     samples: list[SeqChunk] = []
+    scored: list[tuple[SeqChunk, int]] = []
 
     for i, c in enumerate(dec):
         pos = c.start_pos
@@ -87,6 +91,8 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         decode.page_tables[i, :len(pt)] = pt
         decode.context_lens[i] = pos + 1
         decode.query_lens[i] = 1
+        if c.score_targets:
+            scored.append((c, i))
         if c.sample:
             sample_idx[len(samples)] = i
             samples.append(c)
@@ -105,13 +111,15 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
             prefill.context_lens[blk] = c.start_pos + j * bq + q
             prefill.query_lens[blk] = q
             blk += 1
+        if c.score_targets:
+            scored.append((c, flat))
         if c.sample:
             sample_idx[len(samples)] = flat + n - 1
             samples.append(c)
         flat += -(-n // bq) * bq
     real = sum(len(c.token_ids) for c in (*dec, *pf))
     return StepLayout(bucket, tokens, positions, slots, lora_slots, sample_idx, decode,
-                      prefill, samples, real)
+                      prefill, samples, real, scored)
 
 
 def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples: int,

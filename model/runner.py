@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
-from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
+from scheduler.protocol import (SampledToken, SeqChunk, StepLimits, StepPlan, StepResult,
+                                TokenLogprob)
 
 from . import sampling
 from .base import resolve_dtype
 from .adapter_slots import LoraSlots
 from .config import ModelConfig
-from .llama import StepBatch, forward, prepare_params, rope_inv_freq
+from .llama import StepBatch, forward, head_logits, prepare_params, rope_inv_freq
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
 from .programs import Programs
 
@@ -128,6 +129,7 @@ class ModelRunner:
         self._steps: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int], Callable] = {}
         self._copy: Callable | None = None
+        self._scorer: Callable | None = None  # prompt logprobs (`_score`)
         self._lock = threading.Lock()  # the pool and the backend's state: one user at a time
         self._rng = np.random.default_rng()
         # (decode rows, prefill tokens, seconds) of each shape's timed warm-up run, for the
@@ -276,8 +278,8 @@ class ModelRunner:
                 self._samplers[(kind, rows)] = self._compile_sampler(kind, rows)
         with self._lock:
             batch = self._batch(layout, [])
-            self.kv, logits = step(self.params, self.kv, batch, self.attention.state,
-                                   self._lora_arrays)
+            self.kv, logits, _ = step(self.params, self.kv, batch, self.attention.state,
+                                      self._lora_arrays)
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
                     logits, *self._sampling_args(kind, rows, [])))
@@ -291,8 +293,8 @@ class ModelRunner:
         with self._lock:
             t0 = time.perf_counter()
             batch = self._batch(layout, [])
-            self.kv, logits = step(self.params, self.kv, batch, self.attention.state,
-                                   self._lora_arrays)
+            self.kv, logits, _ = step(self.params, self.kv, batch, self.attention.state,
+                                      self._lora_arrays)
             np.asarray(self._samplers[("greedy", rows)](
                 logits, *self._sampling_args("greedy", rows, [])))
             self.warmup_times.append((b.dec_rows, b.pf_tokens, time.perf_counter() - t0))
@@ -347,10 +349,11 @@ class ModelRunner:
                           n_samples=self._sample_rows(bucket))
             batch = self._batch(layout, plan.copies)
             t_pack = time.perf_counter()
-            self.kv, logits = self._steps[bucket](
+            self.kv, logits, hidden = self._steps[bucket](
                 self.params, self.kv, batch, self.attention.state,
                 self._lora_arrays)
             sampled = self._sample(layout.samples, logits, self._sample_rows(bucket))
+            scores = self._score(layout.scored, hidden, sum(bucket)) if layout.scored else {}
             if not layout.samples:
                 # Nothing sampled, so nothing waited for the step: wait here. Otherwise
                 # the engine would dispatch a long prompt's chunks back to back without
@@ -361,7 +364,7 @@ class ModelRunner:
                                 real_tokens=layout.real_tokens,
                                 device_seconds=time.perf_counter() - t0,
                                 shape=(bucket.dec_rows, bucket.pf_tokens),
-                                host_seconds=t_pack - t0)
+                                host_seconds=t_pack - t0, prompt_logprobs=scores)
             if return_logits:
                 host = np.asarray(logits)
                 result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}
@@ -382,6 +385,36 @@ class ModelRunner:
                 copies[i:i + _COPY_BUCKET], np.int32).T
             src, dst = ((layers + p[None, :]).reshape(-1) for p in part)
             self.kv = self._copy(self.kv, src, dst)
+
+    def _score(self, scored: list[tuple[SeqChunk, int]], hidden, rows: int) -> dict:
+        """Prompt logprobs of the scored chunks (`SeqChunk.score_targets`): the lm_head
+        over every token of the step, from the last layer's output the step returned (a
+        separate small program, compiled on first use per step size: ordinary steps
+        never pay for logits they do not sample)."""
+        targets = np.full(rows, -1, np.int32)
+        for c, at in scored:
+            targets[at:at + len(c.score_targets)] = c.score_targets
+        if self._scorer is None:
+            cfg, fm = self.config, self.feature_major
+
+            def score(params, x, targets):
+                lp = jax.nn.log_softmax(head_logits(params, x, cfg=cfg, feature_major=fm), -1)
+                target_lp = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], 1)[:, 0]
+                top_lp, top_ids = jax.lax.top_k(lp, sampling.TOP_LOGPROBS)
+                return target_lp, top_ids, top_lp
+
+            self._scorer = jax.jit(score)
+        target_lp, top_ids, top_lp = (np.asarray(a) for a in self._scorer(
+            {k: self.params[k] for k in ("final_norm", "embed", "lm_head") if k in self.params},
+            hidden, targets))
+        out = {}
+        for c, at in scored:
+            k = min(c.score_top, sampling.TOP_LOGPROBS)
+            out[c.seq_id] = [None if t < 0 else SampledToken(
+                int(t), float(target_lp[r]),
+                [TokenLogprob(int(top_ids[r, j]), float(top_lp[r, j])) for j in range(k)])
+                for r, t in enumerate(c.score_targets, at)]
+        return out
 
     def _sample(self, samples: list[SeqChunk], logits, rows: int) -> dict:
         if not samples:

@@ -142,6 +142,21 @@ class Tokenizer:
                            if isinstance(i, int)],  # fmt: skip
         )
 
+    def save_hf_dir(self, path: str | Path, model_max_length: int | None = None) -> Path:
+        """Write a Hugging Face tokenizer directory that `from_hf_dir` and transformers'
+        `AutoTokenizer` read back (tokenizer.json + tokenizer_config.json): what tools that
+        count tokens themselves (GuideLLM, lm-eval) need to agree with this server."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "tokenizer.json").write_text(self._tok.to_str())
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self.chat_template,
+               "bos_token": self.bos_token, "eos_token": self.eos_token,
+               "clean_up_tokenization_spaces": False}
+        if model_max_length:
+            cfg["model_max_length"] = model_max_length
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+        return path
+
     @classmethod
     def byte_level(cls, vocab_size: int = 259) -> "Tokenizer":
         """A merge-free byte tokenizer with ChatML specials, for random-weight models.

@@ -34,6 +34,10 @@ class GenerateRequest:
     # `fill(row)`, `accept(token) -> bool`, `finished`, `error`); None: free text.
     constraint: Any = None
     index: int = 0  # which of a request's `n` choices this is (its events carry it)
+    # Score the prompt: each prompt token's logprob (after the first) with this many top
+    # alternatives, delivered with the first token event. None: off. The prompt is then
+    # computed whole (prefix-cache hits would leave positions unscored).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,9 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     logprobs: tuple[Any, ...] = ()  # per token: SampledToken-like (token_id, logprob, top_logprobs)
     index: int = 0  # the choice (GenerateRequest.index)
+    # With the first token, if asked (GenerateRequest.prompt_logprobs): per prompt token
+    # after the first, a SampledToken-like (its id, logprob, top alternatives).
+    prompt_logprobs: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

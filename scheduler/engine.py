@@ -262,9 +262,11 @@ class Engine:
             self.scheduler.observe(batch, result.device_seconds, result.shape)
         max_context = runner.max_context
         for seq, tok in sampled:
+            out = seq.output
             if seq.first_token_at is None:
                 seq.first_token_at = t1
-            out = seq.output
+                if seq.prompt_logprobs is not None:
+                    out.prompt_logprobs = tuple(seq.prompt_scores)
             grammar = seq.constraint
             if grammar is not None and not grammar.accept(tok.token_id):
                 self._end_request(seq, "error", ErrorEvent(

@@ -22,7 +22,8 @@ from .protocol import IncrementalDecoder, SampledToken
 
 class OutputStream:
     __slots__ = ("decoder", "stop_ids", "stops", "_stop_chars", "held", "channel",
-                 "want_logprobs", "_text", "_ids", "_logprobs", "final", "stopped", "index")
+                 "want_logprobs", "_text", "_ids", "_logprobs", "final", "stopped", "index",
+                 "prompt_logprobs")
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class OutputStream:
         self.final: Any = None  # FinishEvent / ErrorEvent waiting to be delivered
         self.stopped = False  # a stop string or stop token was seen: ignore the rest
         self.index = index  # the request's choice this stream is (its events say so)
+        self.prompt_logprobs: tuple = ()  # the prompt's logprobs, not yet delivered
 
     def append(self, tok: SampledToken) -> bool:
         """Take one sampled token. True when it ends the stream ("stop").
@@ -119,7 +121,7 @@ class OutputStream:
     # -- delivery ------------------------------------------------------------------------
     @property
     def has_tokens(self) -> bool:
-        return bool(self._text or self._ids)
+        return bool(self._text or self._ids or self.prompt_logprobs)
 
     @property
     def has_text(self) -> bool:
@@ -128,9 +130,11 @@ class OutputStream:
     def token_event(self) -> TokenEvent:
         """Everything pending, as one event (not yet cleared: see `sent`)."""
         return TokenEvent(text="".join(self._text), token_ids=tuple(self._ids),
-                          logprobs=tuple(self._logprobs), index=self.index)
+                          logprobs=tuple(self._logprobs), index=self.index,
+                          prompt_logprobs=self.prompt_logprobs)
 
     def sent(self) -> None:
         self._text.clear()
         self._ids.clear()
         self._logprobs.clear()
+        self.prompt_logprobs = ()

@@ -396,8 +396,10 @@ class Scheduler(ItlPlanning):
         """Admit the queue's head if its pages fit; False leaves it at the head. None: it
         is better off waiting, because a running prefill is computing its next pages."""
         pages = self.pages
-        hits = pages.match(seq)
-        if wait_for_prefix and pages.prefix_in_flight(seq, len(hits), self.running.values()):
+        scoring = seq.scoring_prompt  # computes its whole prompt: no prefix hits
+        hits = [] if scoring else pages.match(seq)
+        if (wait_for_prefix and not scoring
+                and pages.prefix_in_flight(seq, len(hits), self.running.values())):
             return None
         num_tokens = seq.num_tokens
         cached = len(hits) * pages.page_size
@@ -502,6 +504,11 @@ class Scheduler(ItlPlanning):
             seq.num_computed_tokens = after
             if after // ps > before // ps:
                 self.pages.register(seq, before // ps, after // ps)
+            if chunk.score_targets:
+                scores = result.prompt_logprobs.get(seq.seq_id)
+                if scores is None:
+                    raise RuntimeError(f"runner returned no prompt logprobs for seq {seq.seq_id}")
+                seq.record_scores(chunk.start_pos, scores)
             if chunk.sample:
                 tok = sampled.get(seq.seq_id)
                 if tok is None:

@@ -75,6 +75,11 @@ class SeqChunk:
     # Structured output (model/grammar.py): writes the tokens allowed next into a bitmask
     # row (`fill`) when the chunk samples; None: any token.
     constraint: Any = None
+    # Prompt logprobs (completions' `echo` with `logprobs`): per token of `token_ids`, the
+    # prompt token that follows it (-1: none to score). Empty: nothing to score. The
+    # runner answers with each scored token's logprob and top `score_top` alternatives.
+    score_targets: Sequence[int] = ()
+    score_top: int = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +123,9 @@ class StepResult:
     shape: tuple[int, int] | None = None  # the compiled (decode rows, prefill tokens) it ran in
     host_seconds: float = 0.0  # of device_seconds, the runner's own host work (packing, unpacking)
     logits: dict[int, object] | None = None  # seq_id -> [vocab] floats, only when asked (tests)
+    # seq_id -> per token of a chunk with `score_targets`: the logprob of its target (a
+    # SampledToken: the target's id, logprob, top alternatives), None where it had none.
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

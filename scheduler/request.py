@@ -40,7 +40,7 @@ class Sequence:
         "request_id", "seq_id", "phase",
         "prompt_ids", "token_ids", "output_ids", "max_tokens",
         "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
-        "adapter", "adapter_slot", "constraint", "index",
+        "adapter", "adapter_slot", "constraint", "index", "prompt_logprobs", "prompt_scores",
         "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
@@ -77,6 +77,8 @@ class Sequence:
         self.adapter_slot = -1  # the slot holding it while the sequence runs
         self.constraint = req.constraint  # structured output's grammar state, or None
         self.index = req.index  # which of its request's choices
+        self.prompt_logprobs = req.prompt_logprobs  # top alternatives per prompt token, or None
+        self.prompt_scores: list[Any] = []  # [j]: prompt token j + 1's logprob (SampledToken)
         self.kv_pages: list[int] = []  # page table: page id per page_size positions
         self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)
         self.num_computed_tokens = 0
@@ -115,6 +117,20 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs asked and not all computed yet (the prefix cache is not used
+        meanwhile: a cached position would have no logits)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_scores) < len(self.prompt_ids) - 1)
+
+    def record_scores(self, start: int, scores: list) -> None:
+        """Keep a chunk's prompt logprobs (`StepResult.prompt_logprobs`); positions
+        recomputed after a preemption are already known and skipped."""
+        for pos, s in enumerate(scores, start):
+            if s is not None and pos == len(self.prompt_scores):
+                self.prompt_scores.append(s)
+
+    @property
     def is_running(self) -> bool:
         return self.phase is Phase.PREFILL or self.phase is Phase.DECODE
 
@@ -132,6 +148,13 @@ class Sequence:
     def chunk(self, start: int, n: int) -> SeqChunk:
         """What the runner gets to compute positions ``[start, start + n)``."""
         end = start + n
+        targets: list[int] = []
+        if self.scoring_prompt:
+            last, known = len(self.prompt_ids) - 1, len(self.prompt_scores)
+            targets = [self.prompt_ids[i + 1] if known <= i < last else -1
+                       for i in range(start, end)]
+            if max(targets) < 0:
+                targets = []
         return SeqChunk(
             seq_id=self.seq_id,
             token_ids=self.token_ids[start:end],
@@ -144,6 +167,8 @@ class Sequence:
             prompt_token_ids=self.prompt_ids,
             adapter_slot=self.adapter_slot,
             constraint=self.constraint if end == len(self.token_ids) else None,
+            score_targets=targets,
+            score_top=self.prompt_logprobs or 0,
         )
 
     def finish_event(self) -> FinishEvent:

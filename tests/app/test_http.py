@@ -250,3 +250,52 @@ async def test_the_bodies_guidellm_sends_are_served():
             assert chunks[-1]["usage"]["completion_tokens"] == 5
         await srv.wait_idle()
         assert srv.pages_in_use() == 0
+
+
+async def test_echo_with_logprobs_scores_the_prompt_and_best_of_picks():
+    """Completions' `echo` + `logprobs`: the prompt's tokens come first in the logprobs
+    object (the first without a logprob, as OpenAI's), streamed in the first chunk of each
+    choice; `max_tokens: 0` returns only the scored prompt (no completion tokens);
+    `best_of` generates more sequences than it returns. (Scores are the fake runner's;
+    tests/model checks them against the oracle, tests/app/test_scoring.py on the real
+    model.) Every page comes back."""
+    async with serve() as srv, srv.client() as http:
+        comp = {"model": MODEL, "prompt": "abc", "echo": True, "logprobs": 1}
+        r = await http.post("/v1/completions", json={**comp, "max_tokens": 2})
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == "abcwx"
+        assert len(lp["tokens"]) == 3 + 2 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        # The fake runner scores position j's next token t as -(j + t / 1000).
+        ids = srv.state.router.pools[0].tokenizer.encode("abc")
+        assert lp["token_logprobs"][1:3] == [-(j + t / 1000) for j, t in enumerate(ids[1:])]
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+
+        r = await http.post("/v1/completions", json={**comp, "max_tokens": 0})
+        body = r.json()
+        assert body["choices"][0]["text"] == "abc"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert len(body["choices"][0]["logprobs"]["tokens"]) == 3
+        assert body["usage"]["completion_tokens"] == 0
+
+        r = await http.post("/v1/completions", json={**comp, "max_tokens": 2, "n": 2,
+                                                     "stream": True})
+        chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+        firsts = {}
+        for c in chunks:
+            for ch in c["choices"]:
+                firsts.setdefault(ch["index"], ch)
+        assert sorted(firsts) == [0, 1]
+        for ch in firsts.values():
+            assert ch["text"].startswith("abc")
+            assert ch["logprobs"]["token_logprobs"][:3] == lp["token_logprobs"][:3]
+
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "abc",
+                                                     "max_tokens": 2, "best_of": 3})
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0]
+        assert body["choices"][0]["logprobs"] is None  # ranked by them, not asked for
+        assert body["usage"]["completion_tokens"] == 6  # all three sequences generated
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0

@@ -307,3 +307,39 @@ def test_serves_before_every_shape_is_compiled():
     assert single.padded_tokens == 1
     for s in (0, 1, 2):
         np.testing.assert_allclose(padded.logits[s], exact.logits[s], atol=1e-4)
+
+
+def test_prompt_logprobs_match_the_oracle_across_chunks_and_rows(runner):
+    """Prompt scoring (completions' `echo` with `logprobs`): each prompt token's logprob
+    under the tokens before it, computed in the steps that prefill the prompt — a prompt
+    cut in chunks, beside a decode row and another prompt — equals the independent numpy
+    forward's log-softmax at every position; the top alternatives are its top k."""
+    from tests.model import numpy_llama
+
+    rng = np.random.default_rng(11)
+    toks = rng.integers(3, 300, 50).tolist()
+    other = rng.integers(3, 300, 9).tolist()
+    pages = [12, 3, 44, 27, 8, 90, 35]
+    want = numpy_llama.forward(random_params(TINY), TINY, toks).astype(np.float64)
+    want = want - np.log(np.exp(want - want.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                         ) - want.max(-1, keepdims=True)
+    got: dict[int, object] = {}
+    for start, end in [(0, 20), (20, 37), (37, 49), (49, 50)]:
+        c = chunk(0, toks[start:end], start, pages, sample=end == 50)
+        c.score_targets = [toks[i + 1] if i + 1 < 50 else -1 for i in range(start, end)]
+        c.score_top = 3
+        plan = [c, chunk(1, [5], 30, [60, 61, 62, 63]), chunk(2, other, 0, [70, 71])]
+        res = runner.step(StepPlan(plan))
+        assert set(res.prompt_logprobs) == {0}
+        scores = res.prompt_logprobs[0]
+        assert len(scores) == end - start
+        for pos, s in enumerate(scores, start):
+            if pos + 1 < 50:
+                got[pos] = s
+            else:
+                assert s is None
+    assert sorted(got) == list(range(49))
+    for pos, s in got.items():
+        assert s.token_id == toks[pos + 1]
+        assert s.logprob == pytest.approx(want[pos, toks[pos + 1]], abs=2e-4)
+        assert [t.token_id for t in s.top_logprobs] == list(np.argsort(-want[pos])[:3])

@@ -195,6 +195,20 @@ def test_from_hf_dir(tmp_path, tok: Tokenizer):
     assert t.encode(TEXTS["digits"]) == tok.encode(TEXTS["digits"])
 
 
+def test_save_hf_dir_reads_back_the_same(tmp_path, tok: Tokenizer):
+    """`sluice export-tokenizer`'s directory (for GuideLLM, lm-eval): the same ids, chat
+    prompt and special tokens when read back."""
+    t = Tokenizer.from_hf_dir(tok.save_hf_dir(tmp_path / "tok", model_max_length=8192))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert t.encode_chat(chat) == tok.encode_chat(chat)
+    for text in TEXTS.values():
+        assert t.encode(text) == tok.encode(text)
+    assert (t.bos_token_id, t.eos_token_ids) == (tok.bos_token_id, tok.eos_token_ids)
+    cfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["model_max_length"] == 8192
+
+
 @pytest.mark.parametrize(
     "pre, pieces",
     [

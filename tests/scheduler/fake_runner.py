@@ -166,7 +166,11 @@ class FakeRunner:
                 token = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
                 sampled[c.seq_id] = SampledToken(token_id=token, logprob=-1.0)
         real = rec.num_tokens
-        return StepResult(sampled=sampled, real_tokens=real,
+        # Prompt scoring: a made-up logprob that says which position and target it is.
+        scores = {c.seq_id: [None if t < 0 else SampledToken(t, -(pos + t / 1000))
+                             for pos, t in enumerate(c.score_targets, c.start_pos)]
+                  for c in plan.chunks if c.score_targets}
+        return StepResult(sampled=sampled, real_tokens=real, prompt_logprobs=scores,
                           padded_tokens=-(-real // 8) * 8, device_seconds=self.device_seconds)
 
     def _check(self, rec: PlanRecord) -> None:

@@ -480,3 +480,48 @@ async def test_step_time_prediction_error_is_counted():
     assert sum(host_counts) == stats.steps and host_sum >= 0.0
     assert stats.compute_s == pytest.approx(0.03 * stats.steps)
     assert all(r.compute_s == pytest.approx(0.03) and r.host_s >= 0 for r in eng.step_records)
+
+
+async def test_prompt_logprobs_cover_every_prompt_token_once(nursery):
+    """A scored prompt (completions' `echo` + `logprobs`) is computed whole, in chunks,
+    even when its prefix is cached: each prompt token after the first gets its logprob
+    exactly once, in the first token event; the prefix cache still serves the others."""
+    runner = FakeRunner(limits=LIMITS, num_pages=256)
+    eng = await start(nursery, runner)
+    p = prompt(40)
+    warm = await collect(eng.submit(GenerateRequest(prompt_ids=p + [1], max_tokens=2)))
+    assert warm.final.cached_tokens == 0
+    r = await collect(eng.submit(GenerateRequest(prompt_ids=p + [2], max_tokens=3,
+                                                 prompt_logprobs=2)))
+    scores = r.events[0].prompt_logprobs
+    assert [s.token_id for s in scores] == (p + [2])[1:]
+    assert [s.logprob for s in scores] == [-(j + s.token_id / 1000)
+                                           for j, s in enumerate(scores)]
+    assert all(not e.prompt_logprobs for e in r.events[1:-1])
+    assert r.final.cached_tokens == 0 and r.tokens == runner.reference(p + [2], 3)
+    again = await collect(eng.submit(GenerateRequest(prompt_ids=p + [3], max_tokens=2)))
+    assert again.final.cached_tokens >= 32  # the scored run's pages joined the cache
+    assert eng.stats().kv_pages_in_use == 0
+
+
+async def test_prompt_logprobs_survive_preemption(nursery):
+    runner = FakeRunner(limits=LIMITS, num_pages=25)  # too few pages for all four
+    eng = await start(nursery, runner, kv_reserve_pages=1)
+    reqs = [GenerateRequest(prompt_ids=prompt(22, i), max_tokens=30, prompt_logprobs=0)
+            for i in range(4)]
+    handles = [eng.submit(r) for r in reqs]
+    results = [None] * 4
+
+    async def one(i):
+        results[i] = await collect(handles[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(one, i)
+    assert eng.stats().preemptions > 0
+    for req, r in zip(reqs, results):
+        got = [e.prompt_logprobs for e in r.events[:-1] if e.prompt_logprobs]
+        assert len(got) == 1
+        assert [s.token_id for s in got[0]] == list(req.prompt_ids[1:])
+        assert r.tokens == runner.reference(req.prompt_ids, 30)
+    assert eng.stats().kv_pages_in_use == 0
