@@ -198,14 +198,18 @@ class Admission:
         (its prompt's tokens not expected to hit the cache, at the measured cost of a prefill
         token, beside the running decodes at their measured step time). A prompt too long
         to meet the target even alone is judged on the wait alone: it is served when the
-        replica has room, however long its prefill takes. Retry-After is the wait."""
+        replica has room, however long its prefill takes. Retry-After is the wait.
+
+        A prompt whose prefix a running prefill is still computing (`prefix_wait` tokens
+        to go) cannot start before that prefix is in, and nowhere could it start sooner
+        (computing the prefix itself takes longer): that wait is part of its own cost,
+        not of the queue's. So the followers of a new system prompt are admitted behind
+        it, rather than refused until it is cached, when nothing else is ahead of them
+        (a client that does not retry, GuideLLM's, would count each refusal an error)."""
         target = self.config.ttft_target_s
         if target <= 0:
             return  # admission by predicted TTFT is off
         wait = self.expected_wait(step_ends_at=step_ends_at, pending=pending)
-        if prefix_wait and self.scheduler.prefill_token_s:
-            # It cannot start before the prefix it shares with a running prefill is in.
-            wait = max(wait or 0.0, self.scheduler.prefill_seconds(prefix_wait))
         if wait is None or wait <= 0.0:
             return
         sched = self.scheduler
@@ -213,8 +217,12 @@ class Admission:
         tokens = (prompt_tokens * (1.0 - sched.prefix_hit_rate) if uncached is None
                   else uncached)
         prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
-        own = prefill + sched.step_estimate(sched.num_running - sched.batch_running, 0)
-        ttft = wait + own if own <= target else wait
+        step = sched.step_estimate(sched.num_running - sched.batch_running, 0)
+        # It cannot start before the prefix it shares with a running prefill is in.
+        prefix = sched.prefill_seconds(prefix_wait) if prefix_wait and sched.prefill_token_s \
+            else 0.0
+        own = prefix + prefill + step
+        ttft = max(wait, prefix) + prefill + step if own <= target else wait
         if ttft > target:
             retry = self.ticket(self._drain_time(ttft - target, pending))
             # "itl_target": the wait is for a running slot while the ITL target holds the

@@ -247,3 +247,19 @@ def test_requests_still_being_tokenized_count_as_ahead():
     with pytest.raises(Overloaded) as e:
         adm.precheck(pending=2)
     assert e.value.reason == "queue_full"
+
+
+def test_waiting_for_a_prefix_in_flight_is_its_own_cost_not_the_queues():
+    """A request whose system prompt a running prefill is computing: nowhere could its
+    first token come sooner, so that wait alone never refuses it (like a prompt too long
+    for the target alone, it is judged on the queue ahead); with little to go, the queue
+    wait passes while the prefix is computed."""
+    adm, sched, _ = door(ttft_target_s=1.0, waiting_tokens=30, prefill_token_s=0.01)
+    adm.check_ttft(2065, uncached=65, prefix_wait=1500)  # 15 s of prefix to go: admitted
+    adm.check_ttft(2065, uncached=65, prefix_wait=20)  # max(0.3, 0.2) + 0.65 s fits
+    sched.waiting_tokens = 45
+    with pytest.raises(Overloaded):  # max(0.45, 0.2) + 0.65 s does not
+        adm.check_ttft(2065, uncached=65, prefix_wait=20)
+    sched.waiting_tokens = 150  # 1.5 s of other prompts ahead: refused whatever it waits for
+    with pytest.raises(Overloaded):
+        adm.check_ttft(2065, uncached=65, prefix_wait=1500)
