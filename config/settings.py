@@ -34,6 +34,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # start in time instead of late. Nothing ahead: always admitted. A prompt too long to
     # meet it alone is judged on the queue wait. 0: off (queue bounds only).
     ttft_target_s: float = 1.0
+    # ... while requests wait for a running slot (overload). With slots free, what is
+    # ahead is a bunch of prompts arriving together, soon prefilled: a request is then
+    # refused only past ttft_target_s * ttft_slack (a little late beats not at all).
+    ttft_slack: float = 1.5
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
     # The inter-token latency target (0: off). With one, every step is planned so that its
@@ -137,6 +141,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "full": compile every shape before serving (minutes on a 2-core CPU).
     warmup: Literal["background", "full"] = "background"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
+    # CPU only: "w8a8" runs the layers' projections as int8 x int8 -> int32 (per-channel
+    # weights, per-token activations; model/quant.py) in the compiled shapes of at least
+    # `w8a8_min_rows` token rows, f32 below (where XLA:CPU's integer matmul is slower).
+    quantization: Literal["none", "w8a8"] = "none"
+    w8a8_min_rows: Positive = 16
     # Attention backend (pallas_kernels): auto = "pallas" on a GPU, "cpu" elsewhere.
     attention: Literal["auto", "cpu", "pallas", "pallas_interpret", "dense"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()

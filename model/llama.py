@@ -32,6 +32,7 @@ import numpy as np
 from flax import struct
 
 from .config import ModelConfig
+from .quant import linear
 
 
 @struct.dataclass
@@ -188,7 +189,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     t = b.tokens.shape[0]
     fm = feature_major
     # Feature-major helpers: `lin` multiplies, `rows` takes feature rows [a, b) as [T, n].
-    lin = (lambda x, w: w @ x) if fm else (lambda x, w: x @ w)
+    lin = functools.partial(linear, feature_major=fm)  # a QuantizedMatrix: W8A8 (quant.py)
     rows = (lambda a, lo, hi: a[lo:hi].T) if fm else (lambda a, lo, hi: a[:, lo:hi])
     ax = 0 if fm else -1
     x = params["embed"][b.tokens]  # [T, hidden]

@@ -25,14 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
-from scheduler.protocol import (SampledToken, SeqChunk, StepLimits, StepPlan, StepResult,
-                                TokenLogprob)
+from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .base import resolve_dtype
 from .adapter_slots import LoraSlots
 from .config import ModelConfig
-from .llama import StepBatch, forward, head_logits, prepare_params, rope_inv_freq
+from .llama import StepBatch, forward, prepare_params, rope_inv_freq
+from .quant import quantize_params, quantized_bytes
+from .scoring import PromptScorer
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
 from .programs import Programs
 
@@ -78,6 +79,8 @@ class ModelRunner:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         time_all_shapes: bool = False,
+        quantization: str = "none",
+        w8a8_min_rows: int = 16,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -119,6 +122,17 @@ class ModelRunner:
                              else switched_mlp)
         self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major,
                                      switched_mlp=self.switched_mlp)
+        # W8A8 projections (model/quant.py) for the shapes of at least `w8a8_min_rows`
+        # token rows, where the integer matmul beats f32 on XLA:CPU; the f32 weights
+        # serve the smaller shapes. A CPU option: elsewhere the f32/bf16 path stands.
+        if quantization not in ("none", "w8a8"):
+            raise ValueError(f"quantization must be 'none' or 'w8a8', not {quantization!r}")
+        if quantization == "w8a8" and jax.default_backend() != "cpu":
+            raise ValueError("quantization 'w8a8' is for the CPU backend")
+        self.quantization = quantization
+        self.w8a8_min_rows = w8a8_min_rows
+        self.qparams = (quantize_params(self.params, feature_major=self.feature_major)
+                        if quantization == "w8a8" else None)
         # LoRA adapters held on the device at once (model/adapter_slots.py); 0: none, and
         # the compiled steps carry no LoRA code at all.
         self.adapter_slots = adapter_slots
@@ -129,7 +143,7 @@ class ModelRunner:
         self._steps: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int], Callable] = {}
         self._copy: Callable | None = None
-        self._scorer: Callable | None = None  # prompt logprobs (`_score`)
+        self._scorer = PromptScorer(cfg, self.feature_major)  # prompt logprobs
         self._lock = threading.Lock()  # the pool and the backend's state: one user at a time
         self._rng = np.random.default_rng()
         # (decode rows, prefill tokens, seconds) of each shape's timed warm-up run, for the
@@ -153,7 +167,8 @@ class ModelRunner:
                    attention=None if pool.attention == "auto" else pool.attention,
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
                    max_cpu_loras=pool.max_cpu_loras,
-                   time_all_shapes=pool.scheduler.itl_target_s > 0)
+                   time_all_shapes=pool.scheduler.itl_target_s > 0,
+                   quantization=pool.quantization, w8a8_min_rows=pool.w8a8_min_rows)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -193,6 +208,12 @@ class ModelRunner:
         return ([Bucket(d, 0) for d in self.decode_buckets]
                 + [Bucket(d, p) for d in self.mixed_decode_buckets for p in self.prefill_buckets])
 
+    def _params_for(self, b: Bucket) -> dict:
+        """The weights bucket `b`'s step multiplies by (W8A8 from `w8a8_min_rows`)."""
+        if self.qparams is not None and b.dec_rows + b.pf_tokens >= self.w8a8_min_rows:
+            return self.qparams
+        return self.params
+
     def _sample_rows(self, b: Bucket) -> int:
         return sample_rows(b, self.block_q, self.max_prefill_seqs)
 
@@ -212,6 +233,9 @@ class ModelRunner:
             "switched_mlp": self.switched_mlp,
             "adapter_slots": self.adapter_slots,
             "adapter_slot_bytes": 0 if self.lora is None else self.lora.nbytes,
+            "quantization": self.quantization,
+            "w8a8_min_rows": self.w8a8_min_rows if self.qparams is not None else None,
+            "w8a8_weight_bytes": quantized_bytes(self.qparams),
             **self.attention.describe(),
         }
 
@@ -270,15 +294,16 @@ class ModelRunner:
             forward, cfg=self.config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             feature_major=self.feature_major)
+        params = self._params_for(b)
         step = jax.jit(fn, donate_argnums=(1,)).lower(
-            spec(self.params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
+            spec(params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
         rows = self._sample_rows(b)
         for kind in SAMPLERS:
             if (kind, rows) not in self._samplers:
                 self._samplers[(kind, rows)] = self._compile_sampler(kind, rows)
         with self._lock:
             batch = self._batch(layout, [])
-            self.kv, logits, _ = step(self.params, self.kv, batch, self.attention.state,
+            self.kv, logits, _ = step(params, self.kv, batch, self.attention.state,
                                       self._lora_arrays)
             for kind in SAMPLERS:
                 np.asarray(self._samplers[(kind, rows)](
@@ -293,7 +318,7 @@ class ModelRunner:
         with self._lock:
             t0 = time.perf_counter()
             batch = self._batch(layout, [])
-            self.kv, logits, _ = step(self.params, self.kv, batch, self.attention.state,
+            self.kv, logits, _ = step(params, self.kv, batch, self.attention.state,
                                       self._lora_arrays)
             np.asarray(self._samplers[("greedy", rows)](
                 logits, *self._sampling_args("greedy", rows, [])))
@@ -350,10 +375,11 @@ class ModelRunner:
             batch = self._batch(layout, plan.copies)
             t_pack = time.perf_counter()
             self.kv, logits, hidden = self._steps[bucket](
-                self.params, self.kv, batch, self.attention.state,
+                self._params_for(bucket), self.kv, batch, self.attention.state,
                 self._lora_arrays)
             sampled = self._sample(layout.samples, logits, self._sample_rows(bucket))
-            scores = self._score(layout.scored, hidden, sum(bucket)) if layout.scored else {}
+            scores = (self._scorer.score(self.params, layout.scored, hidden, sum(bucket))
+                      if layout.scored else {})
             if not layout.samples:
                 # Nothing sampled, so nothing waited for the step: wait here. Otherwise
                 # the engine would dispatch a long prompt's chunks back to back without
@@ -385,36 +411,6 @@ class ModelRunner:
                 copies[i:i + _COPY_BUCKET], np.int32).T
             src, dst = ((layers + p[None, :]).reshape(-1) for p in part)
             self.kv = self._copy(self.kv, src, dst)
-
-    def _score(self, scored: list[tuple[SeqChunk, int]], hidden, rows: int) -> dict:
-        """Prompt logprobs of the scored chunks (`SeqChunk.score_targets`): the lm_head
-        over every token of the step, from the last layer's output the step returned (a
-        separate small program, compiled on first use per step size: ordinary steps
-        never pay for logits they do not sample)."""
-        targets = np.full(rows, -1, np.int32)
-        for c, at in scored:
-            targets[at:at + len(c.score_targets)] = c.score_targets
-        if self._scorer is None:
-            cfg, fm = self.config, self.feature_major
-
-            def score(params, x, targets):
-                lp = jax.nn.log_softmax(head_logits(params, x, cfg=cfg, feature_major=fm), -1)
-                target_lp = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], 1)[:, 0]
-                top_lp, top_ids = jax.lax.top_k(lp, sampling.TOP_LOGPROBS)
-                return target_lp, top_ids, top_lp
-
-            self._scorer = jax.jit(score)
-        target_lp, top_ids, top_lp = (np.asarray(a) for a in self._scorer(
-            {k: self.params[k] for k in ("final_norm", "embed", "lm_head") if k in self.params},
-            hidden, targets))
-        out = {}
-        for c, at in scored:
-            k = min(c.score_top, sampling.TOP_LOGPROBS)
-            out[c.seq_id] = [None if t < 0 else SampledToken(
-                int(t), float(target_lp[r]),
-                [TokenLogprob(int(top_ids[r, j]), float(top_lp[r, j])) for j in range(k)])
-                for r, t in enumerate(c.score_targets, at)]
-        return out
 
     def _sample(self, samples: list[SeqChunk], logits, rows: int) -> dict:
         if not samples:

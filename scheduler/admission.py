@@ -166,6 +166,11 @@ class Admission:
         sched, cfg = self.scheduler, self.config
         if sched.num_waiting - sched.batch_waiting + pending >= cfg.max_waiting:
             raise self.refuse("queue_full", self.ticket(self.retry_after()))
+        if self._slots_ahead() + pending <= 0:
+            # Nobody waits for a running slot: what is ahead is prompts' prefill, and
+            # whether this one shares a prefix being computed (which the door admits
+            # behind it) is known only from its prompt. The door judges.
+            return
         self._answer_hint = max_tokens
         try:
             self.check_ttft(1, step_ends_at=step_ends_at, pending=pending)
@@ -201,11 +206,12 @@ class Admission:
         replica has room, however long its prefill takes. Retry-After is the wait.
 
         A prompt whose prefix a running prefill is still computing (`prefix_wait` tokens
-        to go) cannot start before that prefix is in, and nowhere could it start sooner
-        (computing the prefix itself takes longer): that wait is part of its own cost,
-        not of the queue's. So the followers of a new system prompt are admitted behind
-        it, rather than refused until it is cached, when nothing else is ahead of them
-        (a client that does not retry, GuideLLM's, would count each refusal an error)."""
+        to go) cannot start before that prefix is in. It is admitted whenever its first
+        token comes here no later than on an idle replica without the prefix cached
+        (which would compute the whole prompt): nowhere would it be served sooner. So
+        the followers of a new system prompt queue behind it rather than being refused
+        until it is cached (a client that does not retry, GuideLLM's, would count each
+        refusal an error; a polite one would come back to the same wait)."""
         target = self.config.ttft_target_s
         if target <= 0:
             return  # admission by predicted TTFT is off
@@ -218,12 +224,15 @@ class Admission:
                   else uncached)
         prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
         step = sched.step_estimate(sched.num_running - sched.batch_running, 0)
-        # It cannot start before the prefix it shares with a running prefill is in.
-        prefix = sched.prefill_seconds(prefix_wait) if prefix_wait and sched.prefill_token_s \
-            else 0.0
-        own = prefix + prefill + step
-        ttft = max(wait, prefix) + prefill + step if own <= target else wait
-        if ttft > target:
+        own = prefill + step
+        ttft = wait + own if own <= target else wait
+        if prefix_wait and sched.prefill_token_s:
+            # It cannot start before the prefix it shares with a running prefill is in.
+            ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
+            alone = sched.prefill_seconds(prompt_tokens) + step
+            if ttft <= alone:
+                return
+        if ttft > self._limit(target, pending):
             retry = self.ticket(self._drain_time(ttft - target, pending))
             # "itl_target": the wait is for a running slot while the ITL target holds the
             # running set below `max_running`.
@@ -234,6 +243,15 @@ class Admission:
                               f"(queue wait {wait:.1f}s"
                               + (f"; {cap} streams at once keep the ITL target" if itl else "")
                               + f"); retry in {retry:.1f}s")
+
+    def _limit(self, target: float, pending: int) -> float:
+        """The TTFT a refusal needs: the target while requests wait for a running slot
+        (overload: refusing protects those admitted); with slots free, `ttft_slack`
+        times it (prompts that arrived together and are about to be prefilled: the
+        prediction is at its coarsest and waiting costs a fraction of a second)."""
+        if self._slots_ahead() + pending > 0:
+            return target
+        return target * max(1.0, self.config.ttft_slack)
 
     # -- the estimates -----------------------------------------------------------------
     def expected_wait(self, *, step_ends_at: float | None = None,

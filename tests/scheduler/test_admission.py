@@ -53,9 +53,11 @@ class FakeQueries:
         return 1000, 16
 
 
-def door(ttft_target_s: float = 1.0, **queries) -> tuple[Admission, FakeQueries, FakeClock]:
+def door(ttft_target_s: float = 1.0, ttft_slack: float = 1.0,
+         **queries) -> tuple[Admission, FakeQueries, FakeClock]:
+    """(The arithmetic tests refuse at the target itself: slack 1.)"""
     sched, clock = FakeQueries(**queries), FakeClock()
-    cfg = SchedulerConfig(ttft_target_s=ttft_target_s)
+    cfg = SchedulerConfig(ttft_target_s=ttft_target_s, ttft_slack=ttft_slack)
     return Admission(sched, cfg, clock, max_context=4096), sched, clock
 
 
@@ -249,17 +251,32 @@ def test_requests_still_being_tokenized_count_as_ahead():
     assert e.value.reason == "queue_full"
 
 
-def test_waiting_for_a_prefix_in_flight_is_its_own_cost_not_the_queues():
-    """A request whose system prompt a running prefill is computing: nowhere could its
-    first token come sooner, so that wait alone never refuses it (like a prompt too long
-    for the target alone, it is judged on the queue ahead); with little to go, the queue
-    wait passes while the prefix is computed."""
+def test_a_follower_of_a_prefix_in_flight_is_admitted_when_nowhere_is_sooner():
+    """A request whose system prompt a running prefill is computing: admitted whenever
+    its first token comes here no later than on an idle replica that computes its whole
+    prompt; refused when the queue ahead makes it later than both."""
     adm, sched, _ = door(ttft_target_s=1.0, waiting_tokens=30, prefill_token_s=0.01)
-    adm.check_ttft(2065, uncached=65, prefix_wait=1500)  # 15 s of prefix to go: admitted
-    adm.check_ttft(2065, uncached=65, prefix_wait=20)  # max(0.3, 0.2) + 0.65 s fits
-    sched.waiting_tokens = 45
-    with pytest.raises(Overloaded):  # max(0.45, 0.2) + 0.65 s does not
-        adm.check_ttft(2065, uncached=65, prefix_wait=20)
-    sched.waiting_tokens = 150  # 1.5 s of other prompts ahead: refused whatever it waits for
+    # 15 s of prefix to go + 0.65 s: 15.65 s here, 20.65 s on a cold replica: admitted.
+    adm.check_ttft(2065, uncached=65, prefix_wait=1500)
+    adm.check_ttft(2065, uncached=65, prefix_wait=20)  # max(0.3, 0.2) + 0.65 s: on target
+    sched.waiting_tokens = 2500  # 25 s of other prompts ahead: later than 20.65 s alone
     with pytest.raises(Overloaded):
         adm.check_ttft(2065, uncached=65, prefix_wait=1500)
+
+
+def test_slack_while_running_slots_are_free_the_target_itself_when_they_are_not():
+    """Prompts that arrived together and will be prefilled within a step or two: a request
+    predicted a little past the target is admitted while running slots are free; once
+    requests wait for a slot (overload), the target itself refuses."""
+    adm, sched, _ = door(ttft_target_s=1.0, ttft_slack=1.5, max_running=4, num_running=2,
+                         waiting_tokens=80, prefill_token_s=0.01)
+    adm.check_ttft(50)  # 0.8 s ahead + 0.5 s its own = 1.3 s: under 1.5 s
+    with pytest.raises(Overloaded):
+        adm.check_ttft(80)  # 1.6 s
+    adm.check_ttft(40)  # 1.2 s
+    sched.num_running, sched.num_waiting = 4, 1  # every slot taken, one waits for one
+    sched.waiting_tokens = 0
+    sched.decode_step_s = 0.01  # answers of 256 tokens: 4 slots free up every 2.56 s
+    with pytest.raises(Overloaded) as e:  # 1.28 s for two completions + 0.21 s: 1.49 s,
+        adm.check_ttft(20)  # within the slack but past the target itself
+    assert "exceeds 1s" in str(e.value)

@@ -384,7 +384,7 @@ async def test_prefill_work_ahead_counts_toward_the_expected_wait():
     estimate adds the prompt tokens ahead (discounted by cache hits) at the measured cost
     of a prefill token. On an idle replica a request is admitted whatever its prompt."""
     eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
-                 SchedulerConfig(max_running=8, ttft_target_s=1.0))
+                 SchedulerConfig(max_running=8, ttft_target_s=1.0, ttft_slack=1.0))
     eng.scheduler.cost.prefill_token_s = 0.01  # 10 ms a prompt token
     eng.submit(GenerateRequest(prompt_ids=prompt(60), max_tokens=4))  # own prompt: ok
     eng.submit(GenerateRequest(prompt_ids=prompt(30, 2), max_tokens=4))  # 0.6 s ahead: ok
@@ -402,7 +402,7 @@ async def test_admission_predicts_time_to_first_token_own_prefill_included():
     admitted requests meet the target; a prompt too long to meet it even alone is
     judged on the queue wait only (else it could never be admitted while others run)."""
     eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
-                 SchedulerConfig(max_running=8, ttft_target_s=1.0))
+                 SchedulerConfig(max_running=8, ttft_target_s=1.0, ttft_slack=1.0))
     eng.scheduler.cost.prefill_token_s = 0.01
     eng.submit(GenerateRequest(prompt_ids=prompt(50), max_tokens=4))  # idle: admitted
     # 0.5 s of prefill ahead + 0.4 s of its own: 0.9 s, admitted.
@@ -422,7 +422,7 @@ async def test_submit_counts_what_is_left_of_the_step_in_flight():
     in test_admission.py)."""
     clock = FakeClock()
     eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
-                 SchedulerConfig(max_running=8, ttft_target_s=1.0), clock=clock)
+                 SchedulerConfig(max_running=8, ttft_target_s=1.0, ttft_slack=1.0), clock=clock)
     eng.scheduler.cost.prefill_token_s = 0.01
     eng.submit(GenerateRequest(prompt_ids=prompt(30), max_tokens=4))  # 0.3 s ahead
     eng._step_ends_at = clock() + 0.1  # a step is in flight, ends in 0.1 s
