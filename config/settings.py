@@ -35,9 +35,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # meet it alone is judged on the queue wait. 0: off (queue bounds only).
     ttft_target_s: float = 1.0
     # ... while requests wait for a running slot (overload). With slots free, what is
-    # ahead is a bunch of prompts arriving together, soon prefilled: a request is then
-    # refused only past ttft_target_s * ttft_slack (a little late beats not at all).
-    ttft_slack: float = 1.5
+    # ahead is prompts that arrived together, all about to be prefilled: a request is
+    # then refused only past ttft_target_s * ttft_slack, a real prefill backlog (a
+    # refused client that comes back finds the same work ahead: late beats refused).
+    ttft_slack: float = 3.0
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
     # The inter-token latency target (0: off). With one, every step is planned so that its
