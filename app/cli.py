@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-target", type=float, metavar="S",
                    help="plan every step within S seconds: the number of streams follows "
                         "(default: the config's itl_target_s, 0 = off)")
+    s.add_argument("--quantization", choices=["none", "w8a8"],
+                   help="CPU: w8a8 runs the projections in int8 in shapes of >= "
+                        "w8a8_min_rows token rows (default: the config's, none)")
     s.set_defaults(run=_serve)
 
     c = sub.add_parser("chat", help="chat with a running server in the terminal")
@@ -142,6 +145,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         if getattr(args, "itl_target", None) is not None:
             sched = replace(sched, itl_target_s=args.itl_target)
         pool = replace(pool, scheduler=sched)
+        if getattr(args, "quantization", None):
+            pool = replace(pool, quantization=args.quantization)
         if i == 0 and getattr(args, "model", None):
             pool = replace(pool, model=args.model)
         pools.append(pool)

@@ -4,7 +4,8 @@
 # answers with ignore_eos, greedy), 16 streams started over 20 s, 48 measured requests
 # after 2 warm-up ones. `sluice bench` runs before and after GuideLLM (this machine's
 # speed drifts over minutes). GuideLLM counts tokens with the server's own tokenizer,
-# exported by `sluice export-tokenizer`, and runs offline.
+# exported by `sluice export-tokenizer`, and runs offline; one GuideLLM request alone
+# first caches its prefix (COLD=1: not, the server meets GuideLLM's prefix cold).
 #
 # GuideLLM needs torch, transformers and datasets, so it lives in a venv of its own:
 #   python3 -m venv /opt/guidellm && /opt/guidellm/bin/pip install guidellm==0.8.1
@@ -38,13 +39,27 @@ scenario = {"spec": {
     "outputs": [{"kind": "json", "path": f"{out}/guidellm.json"}],
 }}
 json.dump(scenario, open(f"{out}/scenario.json", "w"), indent=1)
+# One request of the same synthetic data first, alone: GuideLLM's prefix (same seed, same
+# text) is then cached, as `sluice bench --warmup-requests` has its system prompt cached.
+# Without it the 2,000-token prefix is computed while the first streams arrive, the ones
+# that wait for it start (and, with fixed-length answers, keep finishing) together, and
+# TTFT measures those bursts (docs/benchmarks.md, "GuideLLM").
+warm = json.loads(json.dumps(scenario))
+warm["spec"].update(profile={"kind": "synchronous"},
+                    constraints=[{"kind": "max_requests", "count": 1}],
+                    outputs=[{"kind": "json", "path": f"{out}/guidellm-warm.json"}])
+json.dump(warm, open(f"{out}/scenario-warm.json", "w"), indent=1)
 PY
 
 BENCH=".venv/bin/sluice bench --url $URL --workload shared-prefix --concurrency 16 \
   --ramp-up 20 --warmup-requests 2 --requests 48 --max-tokens 256 --ignore-eos \
   --no-progress"
 $BENCH --label bench-before --out "$OUT/bench-before" | tail -1 > "$OUT/bench-before.json"
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
-  "$GUIDELLM" run --scenario "$OUT/scenario.json" --disable-progress > "$OUT/guidellm.log" 2>&1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+if [ -z "${COLD:-}" ]; then
+  "$GUIDELLM" run --scenario "$OUT/scenario-warm.json" --disable-progress \
+    > "$OUT/guidellm-warm.log" 2>&1
+fi
+"$GUIDELLM" run --scenario "$OUT/scenario.json" --disable-progress > "$OUT/guidellm.log" 2>&1
 $BENCH --label bench-after --out "$OUT/bench-after" | tail -1 > "$OUT/bench-after.json"
 .venv/bin/python benchmarks/guidellm_compare.py "$OUT"

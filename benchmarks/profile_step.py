@@ -14,7 +14,10 @@ Each part is timed alone, compiled the way the step compiles it, on the same arr
   above do not cover (norms, rope, the KV writes, residual adds, dispatch).
 Medians of `--repeats` runs. Prints one JSON line: {"cases": [...]}.
 
-    .venv/bin/python benchmarks/profile_step.py [--repeats 5] [--quick]
+    .venv/bin/python benchmarks/profile_step.py [--repeats 5] [--quick] [--quantization w8a8]
+
+With `--quantization w8a8` the runner is W8A8's (model/quant.py) and the projections are
+timed as each shape runs them (int8 from `w8a8_min_rows` token rows, f32 below).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import numpy as np
 
 from config.settings import PoolConfig
 from model.llama import _per_layer, head_logits
-from model.packing import pack, split
+from model.packing import Bucket, pack, split
+from model.quant import linear
 from model.runner import ModelRunner
 from model.weights import load_model
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
@@ -52,11 +56,12 @@ def timed(fn, repeats: int) -> float:
 
 
 class Profiler:
-    def __init__(self, repeats: int, max_context: int) -> None:
+    def __init__(self, repeats: int, max_context: int, quantization: str = "none") -> None:
         m = load_model("embedded", progress=False)
         self.cfg = m.config
         pool = PoolConfig(kv_cache_bytes=(max_context + 4096) * 46080,
-                          mixed_decode_buckets=[16], prefill_buckets=[256])
+                          mixed_decode_buckets=[16], prefill_buckets=[256],
+                          quantization=quantization)
         self.runner = r = ModelRunner.for_pool(m.config, m.params, pool)
         r.warmup()
         self.repeats = repeats
@@ -96,26 +101,27 @@ class Profiler:
     # -- parts --------------------------------------------------------------------------
     def matmul(self, group: str, name: str, rows: int) -> float:
         r, cfg = self.runner, self.cfg
+        params = r._params_for(Bucket(rows, 0))
         weights = r.params["layers"][group]
         first = weights[0] if isinstance(weights, tuple) else jax.tree.map(lambda w: w[0],
                                                                             weights)
         w = first[name]
         n_in = w.shape[1] if self.fm else w.shape[0]
-        key = (group, name, rows)
+        key = (group, name, rows, params is r.params)
         if key not in self._matmul:
             fm = self.fm
 
             def body(params, x):
                 def layer(acc, i):
                     y = _per_layer(params["layers"][group], i,
-                                   lambda lp, x: (lp[name] @ x) if fm else (x @ lp[name]), x)
+                                   lambda lp, x: linear(x, lp[name], feature_major=fm), x)
                     return acc + y.sum(), None
                 return jax.lax.scan(layer, jnp.float32(0),
                                     jnp.arange(cfg.num_layers, dtype=jnp.int32))[0]
             self._matmul[key] = jax.jit(body)
         x = jnp.ones((n_in, rows) if self.fm else (rows, n_in), jnp.float32)
         f = self._matmul[key]
-        return timed(lambda: f(r.params, x).block_until_ready(), self.repeats)
+        return timed(lambda: f(params, x).block_until_ready(), self.repeats)
 
     def head(self, rows: int) -> dict:
         r = self.runner
@@ -190,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="16 rows at 2k only")
+    ap.add_argument("--quantization", default="none", choices=("none", "w8a8"))
     args = ap.parse_args(argv)
     contexts = (2000,) if args.quick else (100, 2000, 6000)
-    p = Profiler(args.repeats, max(contexts))
+    p = Profiler(args.repeats, max(contexts), args.quantization)
     cases = []
     for rows in ((16,) if args.quick else (1, 4, 16)):
         for ctx in contexts:
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                     p.decode_plan(rows, ctx, True)))
             print(json.dumps(cases[-1]), file=sys.stderr)
     cases.append(p.case("mixed", 16, 2000, p.mixed_plan(16, 2000), prefill_tokens=256))
-    print(json.dumps({"unit": "ms", "cases": cases}))
+    print(json.dumps({"unit": "ms", "quantization": args.quantization, "cases": cases}))
     return 0
 
 

@@ -4,6 +4,10 @@
 serve_ready() {
   local out=$1 port=$2
   shift 2
+  if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then
+    echo "port $port is taken (a server still draining?)" >&2
+    exit 1
+  fi
   SLUICE_DATA_DIR="$out/store" .venv/bin/sluice serve --port "$port" "$@" \
     > "$out/serve.log" 2>&1 &
   PID=$!

@@ -8,8 +8,9 @@ compiles. The KV pool is allocated once at construction and donated into every s
 XLA updates it in place. Attention is the backend's business (`pallas_kernels`): the
 runner hands it each step's generic layout and passes its metadata and state along.
 
-(Just under 400 lines: the runner owns the device state — KV pool, adapter slots,
-compiled programs — and every path that touches it is kept here, under one lock.)
+(Just over 400 lines: the runner owns the device state — KV pool, adapter slots, the
+f32 and W8A8 weights, compiled programs — and every path that touches it is kept here,
+under one lock; prompt scoring and quantization live in scoring.py and quant.py.)
 """
 
 from __future__ import annotations

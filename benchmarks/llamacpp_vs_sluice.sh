@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# llama.cpp's server against Sluice on this machine, same GGUF (the embedded
+# SmolLM2-135M-Instruct Q4_1), same load generator (`sluice bench`, clients that honour
+# Retry-After), one server at a time. llama.cpp is built from PyPI's llama-cpp-python
+# sdist (its vendored llama.cpp; CMake, CPU only), cached under ~/.cache/sluice, and run in
+# its best CPU configuration as measured for issue 20 (`-np 16 -c 65536 -fa off -t NPROC`).
+# Workloads: shared-prefix (2,000-token system prompt, prefix warmed) at 16 streams, 48
+# requests; long-interference (a 6,000-token prompt among 4 short streams); one stream of
+# short prompts. Sluice runs with its default config plus SLUICE_SERVE_ARGS (e.g.
+# "--config w8a8.toml"). Prints one JSON line (benchmarks/compare_bench.py).
+#   benchmarks/llamacpp_vs_sluice.sh OUT_DIR [PORT]
+set -eu
+cd "$(dirname "$0")/.."
+OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-18985}
+mkdir -p "$OUT"
+CACHE=${SLUICE_CACHE:-$HOME/.cache/sluice}
+GGUF=$(.venv/bin/sluice fetch | tail -1)
+THREADS=$(nproc)
+
+# -- llama.cpp's server, built once ------------------------------------------------------
+SERVER=$(ls "$CACHE"/llama.cpp-*/build/bin/llama-server 2>/dev/null | head -1 || true)
+if [ -z "$SERVER" ]; then
+  mkdir -p "$CACHE/sdist"
+  .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python -d "$CACHE/sdist" -q
+  SDIST=$(ls "$CACHE"/sdist/llama_cpp_python-*.tar.gz | tail -1)
+  VER=$(basename "$SDIST" .tar.gz | sed 's/llama_cpp_python-//')
+  SRC="$CACHE/llama.cpp-$VER"
+  rm -rf "$SRC.tmp" && mkdir -p "$SRC.tmp"
+  tar -xzf "$SDIST" -C "$SRC.tmp" --strip-components=3 "llama_cpp_python-$VER/vendor/llama.cpp"
+  mv "$SRC.tmp" "$SRC"
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON > "$OUT/llama-build.log" 2>&1
+  cmake --build "$SRC/build" --target llama-server -j "$THREADS" >> "$OUT/llama-build.log" 2>&1
+  SERVER="$SRC/build/bin/llama-server"
+fi
+
+URL="http://127.0.0.1:$PORT"
+# Words per token, measured once against Sluice's /tokenize (llama.cpp's differs).
+WPT=${WPT:-0.8767}
+bench() {  # label, then `sluice bench` flags
+  local label=$1; shift
+  .venv/bin/sluice bench --url "$URL" --label "$label" --words-per-token "$WPT" \
+    --no-progress --out "$OUT/$label" "$@" | tail -1 > "$OUT/$label.json"
+}
+workloads() {  # prefix: llama / sluice
+  bench "$1-shared-prefix" --workload shared-prefix --concurrency 16 --ramp-up 20 \
+    --warmup-requests 2 --requests 48
+  bench "$1-long-interference" --workload long-interference
+  bench "$1-single" --workload shared-prefix --system-tokens 30 --concurrency 1 \
+    --warmup-requests 1 --requests 10
+}
+
+"$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -fa off -t "$THREADS" \
+  --alias smollm2-135m-instruct > "$OUT/llama-server.log" 2>&1 &
+LPID=$!
+trap 'kill $LPID 2>/dev/null || true' EXIT
+until curl -sf "$URL/health" > /dev/null; do sleep 1; done
+workloads llama
+ps -o rss= -p $LPID | awk '{print $1 * 1024}' > "$OUT/llama-rss-bytes"
+kill $LPID; wait $LPID 2>/dev/null || true
+
+. benchmarks/serve_ready.sh
+serve_ready "$OUT" "$PORT" ${SLUICE_SERVE_ARGS:-}
+workloads sluice
+ps -o rss= -p $PID | awk '{print $1 * 1024}' > "$OUT/sluice-rss-bytes"
+.venv/bin/python benchmarks/compare_bench.py "$OUT"/llama-*.json "$OUT"/sluice-*.json
