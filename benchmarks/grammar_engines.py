@@ -54,25 +54,32 @@ def ms(xs: list[float]) -> dict:
             "p99_ms": round(1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 4)}
 
 
+def walk(name: str, new, fill, accept, schemas: list[dict], answers: list[list[int]]):
+    """Per schema: time `new(schema)` + the first `fill(m)`; then along its answer,
+    `accept(m, token)` (untimed) and each next `fill(m)` (timed)."""
+    first, masks = [], []
+    for s, ids in zip(schemas, answers):
+        t0 = time.perf_counter()
+        m = new(s)
+        fill(m)
+        first.append(time.perf_counter() - t0)
+        for i, t in enumerate(ids):
+            if not accept(m, t):
+                raise RuntimeError(f"{name} refused token {i} of a valid answer")
+            t0 = time.perf_counter()
+            fill(m)
+            masks.append(time.perf_counter() - t0)
+    return first, masks
+
+
 def run_llguidance(tok: _Tok, vocab: int, schemas: list[dict], answers: list[list[int]]):
     t0 = time.perf_counter()
     grammars = Grammars(tok, vocab)
     grammars._ll_tokenizer()
     setup = time.perf_counter() - t0
     row = np.zeros((vocab + 31) // 32, np.int32)
-    first, masks = [], []
-    for s, ids in zip(schemas, answers):
-        t0 = time.perf_counter()
-        c = grammars.constraint(json_schema_grammar(s))
-        c.fill(row)
-        first.append(time.perf_counter() - t0)
-        for i, t in enumerate(ids):
-            if not c.accept(t):
-                raise RuntimeError(f"llguidance refused token {i} of a valid answer: {c.error}")
-            t0 = time.perf_counter()
-            c.fill(row)
-            masks.append(time.perf_counter() - t0)
-    return setup, first, masks
+    return (setup, *walk("llguidance", lambda s: grammars.constraint(json_schema_grammar(s)),
+                         lambda c: c.fill(row), lambda c, t: c.accept(t), schemas, answers))
 
 
 def run_xgrammar(path: Path, vocab: int, schemas: list[dict], answers: list[list[int]]):
@@ -85,20 +92,11 @@ def run_xgrammar(path: Path, vocab: int, schemas: list[dict], answers: list[list
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     setup = time.perf_counter() - t0
     bitmask = xgr.allocate_token_bitmask(1, vocab)
-    first, masks = [], []
-    for s, ids in zip(schemas, answers):
-        t0 = time.perf_counter()
-        m = xgr.GrammarMatcher(compiler.compile_json_schema(
-            json.dumps(s), any_whitespace=False, separators=(",", ":")))
-        m.fill_next_token_bitmask(bitmask)
-        first.append(time.perf_counter() - t0)
-        for i, t in enumerate(ids):
-            if not m.accept_token(t):
-                raise RuntimeError(f"xgrammar refused token {i} of a valid answer")
-            t0 = time.perf_counter()
-            m.fill_next_token_bitmask(bitmask)
-            masks.append(time.perf_counter() - t0)
-    return setup, first, masks
+    return (setup, *walk(
+        "xgrammar", lambda s: xgr.GrammarMatcher(compiler.compile_json_schema(
+            json.dumps(s), any_whitespace=False, separators=(",", ":"))),
+        lambda m: m.fill_next_token_bitmask(bitmask), lambda m, t: m.accept_token(t),
+        schemas, answers))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,15 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def small_pool(gguf) -> PoolConfig:
+    """The embedded model in a few small shapes (the same as tests/model's real-model
+    runner, so the persistent compilation cache serves both)."""
+    return PoolConfig(model=str(gguf), max_context=2048, page_size=16,
+                      kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
+                      prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
+                      scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
+
+
 @asynccontextmanager
 async def real_server(settings: Settings) -> AsyncIterator[tuple[str, ServerState]]:
     """The whole server on real pools, in this test's nursery: (url, state) once ready;
@@ -43,10 +52,7 @@ async def real_server(settings: Settings) -> AsyncIterator[tuple[str, ServerStat
 
 
 async def test_openai_client_streams_paris_from_the_embedded_model(embedded_gguf):
-    pool = PoolConfig(model=str(embedded_gguf), max_context=2048, page_size=16,
-                      kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
-                      prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
-                      scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
+    pool = small_pool(embedded_gguf)
     settings = Settings(server=ServerConfig(port=0), pools=[pool])
     async with real_server(settings) as (url, state):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -83,10 +89,7 @@ async def test_openai_batch_round_trip_equals_interactive_greedy(embedded_gguf, 
 
     from config.settings import BatchConfig
 
-    pool = PoolConfig(model=str(embedded_gguf), max_context=2048, page_size=16,
-                      kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
-                      prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
-                      scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
+    pool = small_pool(embedded_gguf)
     settings = Settings(server=ServerConfig(port=0), pools=[pool],
                         batches=BatchConfig(data_dir=str(tmp_path)))
     questions = ["What is the capital of France?", "Name a primary colour.",

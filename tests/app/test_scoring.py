@@ -11,8 +11,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from config.settings import PoolConfig, SchedulerConfig, ServerConfig, Settings
-from tests.app.test_real_model import real_server
+from config.settings import ServerConfig, Settings
+from tests.app.test_real_model import real_server, small_pool
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -20,10 +20,7 @@ MODEL = "smollm2-135m-instruct"
 
 async def test_scored_prompt_gives_back_the_answers_logprobs_and_best_of_picks_the_best(
         embedded_gguf):
-    pool = PoolConfig(model=str(embedded_gguf), max_context=2048, page_size=16,
-                      kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
-                      prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
-                      scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
+    pool = small_pool(embedded_gguf)
     async with real_server(Settings(server=ServerConfig(port=0), pools=[pool])) as (url, state):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         tok = state.router.pools[0].tokenizer

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from config.settings import PoolConfig, SchedulerConfig, ServerConfig, Settings
-from tests.app.test_real_model import QUESTION, real_server
+from tests.app.test_real_model import QUESTION, real_server, small_pool
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,7 @@ def _pages_in_use(state) -> int:
 
 
 async def test_structured_output_and_logit_bias_on_the_embedded_model(embedded_gguf):
-    pool = PoolConfig(model=str(embedded_gguf), max_context=2048, page_size=16,
-                      kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
-                      prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
-                      scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
+    pool = small_pool(embedded_gguf)
     async with real_server(Settings(server=ServerConfig(port=0), pools=[pool])) as (url, state):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         model = "smollm2-135m-instruct"

@@ -50,6 +50,19 @@ async def collect(handle) -> Result:
     return r
 
 
+async def collect_all(handles) -> list[Result]:
+    """Read every request's stream at once (a slow reader would hold its sequence back)."""
+    results: list = [None] * len(handles)
+
+    async def one(i):
+        results[i] = await collect(handles[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(len(handles)):
+            n.start_soon(one, i)
+    return results
+
+
 def prompt(n, base=1):
     return [(base + 7 * i) % 97 for i in range(n)]
 
@@ -86,15 +99,7 @@ async def test_concurrent_requests_sharing_a_system_prompt(nursery):
     eng = await start(nursery, runner, max_running=8)
     system = prompt(120)
     reqs = [GenerateRequest(prompt_ids=system + [i, i + 1], max_tokens=6) for i in range(32)]
-    handles = [eng.submit(r) for r in reqs]
-    results = [None] * len(reqs)
-
-    async def one(i):
-        results[i] = await collect(handles[i])
-
-    async with trio.open_nursery() as n:
-        for i in range(len(reqs)):
-            n.start_soon(one, i)
+    results = await collect_all([eng.submit(r) for r in reqs])
     for req, r in zip(reqs, results):
         assert r.tokens == runner.reference(req.prompt_ids, 6)  # as if alone
     cached = sorted(r.final.cached_tokens / r.final.prompt_tokens for r in results)
@@ -140,15 +145,7 @@ async def test_preempted_client_sees_every_token_once_in_order(nursery):
     eng = await start(nursery, runner, kv_reserve_pages=1)
     reqs = [GenerateRequest(prompt_ids=prompt(6, i), max_tokens=34, priority=i % 2)
             for i in range(4)]
-    handles = [eng.submit(r) for r in reqs]
-    results = [None] * 4
-
-    async def one(i):
-        results[i] = await collect(handles[i])
-
-    async with trio.open_nursery() as n:
-        for i in range(4):
-            n.start_soon(one, i)
+    results = await collect_all([eng.submit(r) for r in reqs])
     assert eng.stats().preemptions > 0
     for req, r in zip(reqs, results):
         ref = runner.reference(req.prompt_ids, 34)
@@ -509,15 +506,7 @@ async def test_prompt_logprobs_survive_preemption(nursery):
     eng = await start(nursery, runner, kv_reserve_pages=1)
     reqs = [GenerateRequest(prompt_ids=prompt(22, i), max_tokens=30, prompt_logprobs=0)
             for i in range(4)]
-    handles = [eng.submit(r) for r in reqs]
-    results = [None] * 4
-
-    async def one(i):
-        results[i] = await collect(handles[i])
-
-    async with trio.open_nursery() as n:
-        for i in range(4):
-            n.start_soon(one, i)
+    results = await collect_all([eng.submit(r) for r in reqs])
     assert eng.stats().preemptions > 0
     for req, r in zip(reqs, results):
         got = [e.prompt_logprobs for e in r.events[:-1] if e.prompt_logprobs]
