@@ -19,7 +19,8 @@ THREADS=$(nproc)
 
 # -- llama.cpp's server, built once ------------------------------------------------------
 SERVER=$(ls "$CACHE"/llama.cpp-*/build/bin/llama-server 2>/dev/null | head -1 || true)
-if [ -z "$SERVER" ]; then
+if [ -z "$SERVER" ]; then  # (a half-built tree from an interrupted run is rebuilt)
+  rm -rf "$CACHE"/llama.cpp-*
   mkdir -p "$CACHE/sdist"
   .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python -d "$CACHE/sdist" -q
   SDIST=$(ls "$CACHE"/sdist/llama_cpp_python-*.tar.gz | tail -1)
@@ -51,7 +52,9 @@ workloads() {  # prefix: llama / sluice
     --warmup-requests 1 --requests 10
 }
 
-"$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -fa off -t "$THREADS" \
+# -kvu: one KV buffer for all slots (this llama.cpp splits -c over -np slots otherwise:
+# 4,096 tokens each, too few for the 6,000-token prompt; the first run, 2026-12-02).
+"$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -kvu -fa off -t "$THREADS" \
   --alias smollm2-135m-instruct > "$OUT/llama-server.log" 2>&1 &
 LPID=$!
 trap 'kill $LPID 2>/dev/null || true' EXIT
