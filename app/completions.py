@@ -160,8 +160,10 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         constraints = [await constraint_for(pool, p.grammar) for _ in range(sequences)]
     # `max_tokens: 0` with `echo` scores the prompt: one token is generated (the prompt's
     # last position is computed anyway) and dropped from the answer (app/streaming.py).
-    score_only = max_tokens == 0
-    max_tokens = max(1, max_tokens)
+    # (Only then: a prompt that leaves no context for an answer is refused as before.)
+    score_only = echo and max_tokens == 0
+    if score_only:
+        max_tokens = 1
 
     if batch is None:
         if len(state.flights) >= state.settings.server.max_streams:

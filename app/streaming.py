@@ -294,8 +294,8 @@ async def collect(adm: Admitted, make_gate) -> bytes:
                     raise_for(end)
                 if end is not None:
                     ends[index] = end
-        best = sorted(range(adm.sequences), key=lambda i: -mean_logprob(tokens[i]))
-        picked = best[:adm.n] if adm.sequences > adm.n else range(adm.n)
+        picked = (sorted(range(adm.sequences), key=lambda i: -mean_logprob(tokens[i]))[:adm.n]
+                  if adm.sequences > adm.n else range(adm.n))
         choices = []
         for index, (evs, end) in enumerate((tokens[i], ends[i]) for i in picked):
             text = "".join(e.text for e in evs)
