@@ -73,9 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-target", type=float, metavar="S",
                    help="plan every step within S seconds: the number of streams follows "
                         "(default: the config's itl_target_s, 0 = off)")
-    s.add_argument("--quantization", choices=["none", "w8a8"],
-                   help="CPU: w8a8 runs the projections in int8 in shapes of >= "
-                        "w8a8_min_rows token rows (default: the config's, none)")
+    s.add_argument("--quantization", choices=["none", "int8"],
+                   help="CPU: int8 keeps the projections and lm_head as int8 weights, "
+                        "multiplied by the native kernel (default: the config's)")
     s.set_defaults(run=_serve)
 
     c = sub.add_parser("chat", help="chat with a running server in the terminal")

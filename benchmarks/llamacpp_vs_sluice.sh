@@ -7,7 +7,7 @@
 # Workloads: shared-prefix (2,000-token system prompt, prefix warmed) at 16 streams, 48
 # requests; long-interference (a 6,000-token prompt among 4 short streams); one stream of
 # short prompts. Sluice runs with its default config plus SLUICE_SERVE_ARGS (e.g.
-# "--config w8a8.toml"). Prints one JSON line (benchmarks/compare_bench.py).
+# "--quantization int8"). Prints one JSON line (benchmarks/compare_bench.py).
 #   benchmarks/llamacpp_vs_sluice.sh OUT_DIR [PORT]
 set -eu
 cd "$(dirname "$0")/.."

@@ -14,10 +14,10 @@ Each part is timed alone, compiled the way the step compiles it, on the same arr
   above do not cover (norms, rope, the KV writes, residual adds, dispatch).
 Medians of `--repeats` runs. Prints one JSON line: {"cases": [...]}.
 
-    .venv/bin/python benchmarks/profile_step.py [--repeats 5] [--quick] [--quantization w8a8]
+    .venv/bin/python benchmarks/profile_step.py [--repeats 5] [--quick] [--quantization int8]
 
-With `--quantization w8a8` the runner is W8A8's (model/quant.py) and the projections are
-timed as each shape runs them (int8 from `w8a8_min_rows` token rows, f32 below).
+With `--quantization int8` the runner holds int8 weights (model/quant.py) and the
+projections and the lm_head are timed through the native kernel, as every shape runs them.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import numpy as np
 
 from config.settings import PoolConfig
 from model.llama import _per_layer, head_logits
-from model.packing import Bucket, pack, split
-from model.quant import linear
+from model.packing import pack, split
+from model.quant import Int8Matrix, linear
 from model.runner import ModelRunner
 from model.weights import load_model
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
@@ -101,13 +101,16 @@ class Profiler:
     # -- parts --------------------------------------------------------------------------
     def matmul(self, group: str, name: str, rows: int) -> float:
         r, cfg = self.runner, self.cfg
-        params = r._params_for(Bucket(rows, 0))
+        params = r.params
         weights = r.params["layers"][group]
-        first = weights[0] if isinstance(weights, tuple) else jax.tree.map(lambda w: w[0],
-                                                                            weights)
+        first = weights[0] if isinstance(weights, tuple) else weights
         w = first[name]
-        n_in = w.shape[1] if self.fm else w.shape[0]
-        key = (group, name, rows, params is r.params)
+        if isinstance(w, Int8Matrix):  # stacked (layers, out, in)
+            n_in = w.q.shape[2]
+        else:
+            w = w if isinstance(weights, tuple) else w[0]
+            n_in = w.shape[1] if self.fm else w.shape[0]
+        key = (group, name, rows)
         if key not in self._matmul:
             fm = self.fm
 
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="16 rows at 2k only")
-    ap.add_argument("--quantization", default="none", choices=("none", "w8a8"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8"))
     args = ap.parse_args(argv)
     contexts = (2000,) if args.quick else (100, 2000, 6000)
     p = Profiler(args.repeats, max(contexts), args.quantization)

@@ -142,11 +142,10 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "full": compile every shape before serving (minutes on a 2-core CPU).
     warmup: Literal["background", "full"] = "background"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
-    # CPU only: "w8a8" runs the layers' projections as int8 x int8 -> int32 (per-channel
-    # weights, per-token activations; model/quant.py) in the compiled shapes of at least
-    # `w8a8_min_rows` token rows, f32 below (where XLA:CPU's integer matmul is slower).
-    quantization: Literal["none", "w8a8"] = "none"
-    w8a8_min_rows: Positive = 16
+    # CPU only: "int8" keeps the layers' projections and the lm_head as int8 weights in
+    # 32-value blocks, multiplied by the native kernel in every shape (model/quant.py);
+    # their f32 copies are not kept.
+    quantization: Literal["none", "int8"] = "none"
     # Attention backend (pallas_kernels): auto = "pallas" on a GPU, "cpu" elsewhere.
     attention: Literal["auto", "cpu", "pallas", "pallas_interpret", "dense"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()

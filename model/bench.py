@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sluice bench-engine", description=__doc__)
     ap.add_argument("--model", default="embedded", help="model source (default: embedded)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="none", choices=("none", "w8a8"),
-                    help="w8a8: int8 projections in shapes of >= --w8a8-min-rows rows (CPU)")
-    ap.add_argument("--w8a8-min-rows", type=int, default=16)
+    ap.add_argument("--quantization", default="none", choices=("none", "int8"),
+                    help="int8: the projections and lm_head as int8 weights, multiplied by "
+                         "the CPU's native kernel")
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--skip-orbax", action="store_true")
@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(loaded.config, loaded.params, page_size=16,
                          kv_cache_bytes=3 << 30, max_context=4096, decode_buckets=batches,
                          prefill_buckets=(128, 512), mixed_decode_buckets=(0,),
-                         dtype=args.dtype, quantization=args.quantization,
-                         w8a8_min_rows=args.w8a8_min_rows)
+                         dtype=args.dtype, quantization=args.quantization)
     t = time.perf_counter()
     runner.warmup()
     out["compile_s"] = round(time.perf_counter() - t, 1)

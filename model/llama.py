@@ -32,7 +32,7 @@ import numpy as np
 from flax import struct
 
 from .config import ModelConfig
-from .quant import linear
+from .quant import PROJECTIONS, Int8Matrix, linear, quantize_int8
 
 
 @struct.dataclass
@@ -49,10 +49,13 @@ class StepBatch:
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
-                   switched_mlp: bool = False) -> dict:
+                   switched_mlp: bool = False, int8: bool = False) -> dict:
     """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
     layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
     or (the MLP's, with `switched_mlp`) kept one dict per layer (see `_per_layer`).
+    `int8`: the four projections of every layer and the lm_head become `Int8Matrix`
+    (model/quant.py, the CPU's native kernel), stacked, quantized from the loader's f32
+    one tensor at a time: their f32 copies are never made on the device.
 
     The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
     `forward(..., feature_major=True)` multiplies from the left (see there). Host copies
@@ -77,7 +80,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
         groups["attn"]["bqkv"] = lambda lp: np.concatenate([lp["bq"], lp["bk"], lp["bv"]])
     layers: dict = {}
     for group, tensors in groups.items():
-        if group == "mlp" and switched_mlp:
+        if group == "mlp" and switched_mlp and not int8:
             layers[group] = tuple({name: jnp.asarray(get(lp), dtype)
                                    for name, get in tensors.items()} for lp in params["layers"])
             continue
@@ -87,11 +90,18 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
             host = np.empty((cfg.num_layers, *first.shape), np.dtype(dtype))
             for i, lp in enumerate(params["layers"]):
                 host[i] = get(lp)
-            layers[group][name] = jnp.asarray(host)
+            if int8 and name in PROJECTIONS:  # the kernel's (out, in), whatever the layout
+                layers[group][name] = quantize_int8(host if feature_major
+                                                    else host.swapaxes(1, 2))
+            else:
+                layers[group][name] = jnp.asarray(host)
             del host
     out = {"embed": jnp.asarray(params["embed"], dtype),
            "final_norm": jnp.asarray(params["final_norm"], dtype), "layers": layers}
-    if not cfg.tie_embeddings:
+    if int8:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
+        head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
+        out["head_int8"] = quantize_int8(np.asarray(head, np.float32)[None])
+    elif not cfg.tie_embeddings:
         out["lm_head"] = jnp.asarray(matrix(np.asarray(params["lm_head"])), dtype)
     return out
 
@@ -122,8 +132,9 @@ def _per_layer(weights, i, fn, *args):
     arrays directly: XLA:CPU copies a slice of a stacked weight before its matmul, and the
     MLP's are 75% of a layer's bytes (the CPU layout, `prepare_params(switched_mlp=True)`:
     docs/benchmarks.md has the step times and memory of each)."""
-    if isinstance(weights, dict):
-        return fn(jax.tree.map(lambda w: w[i], weights), *args)
+    if isinstance(weights, dict):  # an Int8Matrix is told its layer, not sliced
+        return fn(jax.tree.map(lambda w: w.at_layer(i) if isinstance(w, Int8Matrix) else w[i],
+                               weights, is_leaf=lambda w: isinstance(w, Int8Matrix)), *args)
     return jax.lax.switch(i, [functools.partial(fn, lp) for lp in weights], *args)
 
 
@@ -189,7 +200,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     t = b.tokens.shape[0]
     fm = feature_major
     # Feature-major helpers: `lin` multiplies, `rows` takes feature rows [a, b) as [T, n].
-    lin = functools.partial(linear, feature_major=fm)  # a QuantizedMatrix: W8A8 (quant.py)
+    lin = functools.partial(linear, feature_major=fm)  # an Int8Matrix: the native kernel
     rows = (lambda a, lo, hi: a[lo:hi].T) if fm else (lambda a, lo, hi: a[:, lo:hi])
     ax = 0 if fm else -1
     x = params["embed"][b.tokens]  # [T, hidden]
@@ -274,7 +285,13 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
 def head_logits(params, x, rows=None, *, cfg: ModelConfig, feature_major: bool = False):
     """Final norm and lm_head: logits [S, vocab] float32 of the tokens `rows` of the last
     layer's residual stream `x` ([T, hidden], or [hidden, T] feature-major; None: all)."""
-    if feature_major:  # [hidden, S] -> logits [S, vocab]
+    if "head_int8" in params:  # the native kernel (model/quant.py)
+        ax = 0 if feature_major else -1
+        xs = x if rows is None else (x[:, rows] if feature_major else x[rows])
+        hs = _rms_norm(xs, params["final_norm"], cfg.rms_norm_eps, ax)
+        logits = linear(hs, params["head_int8"], feature_major=feature_major)
+        logits = logits.T if feature_major else logits
+    elif feature_major:  # [hidden, S] -> logits [S, vocab]
         hs = _rms_norm(x if rows is None else x[:, rows], params["final_norm"],
                        cfg.rms_norm_eps, 0)
         logits = (params.get("lm_head", params["embed"]) @ hs).T

@@ -1,24 +1,19 @@
-"""W8A8: int8 weights per output channel, int8 activations per token, int32 accumulation.
+"""int8 weights for the CPU backend: the layers' projections and the lm_head in 32-value
+blocks, multiplied by the native kernel (`pallas_kernels/native.py`, csrc/q8_linear.cc).
 
-What it is for. On XLA:CPU a matmul of a few token rows is bound by reading the weights:
-int8 weights are a quarter of the f32 bytes, and `lax.dot` of two int8 operands with an
-int32 result runs as an integer kernel. Measured on this 2-core machine (issue 20), the
-30 layers of a 576x3072 matrix: f32 7.7 / 16.9 / 43.3 ms at 1 / 16 / 64 rows, int8 x int8
-69.9 / 9.8 / 25.9 ms. So it pays from about 16 rows and loses badly at one: the runner
-uses it per compiled shape (`ModelRunner(quantization="w8a8", w8a8_min_rows=...)`),
-f32 below the threshold. Weight-only int8 (dequantized inside the step) and bf16 were
-measured slower than f32 on this backend: XLA:CPU materialises the conversion.
+What it is for. On the CPU a step of a few token rows is bound by reading the weights,
+and int8 weights are a quarter of f32's bytes; XLA:CPU cannot use them itself (its int8
+dot is slow at few rows, and a dequantization inside the jit is materialised: slower than
+f32, docs/benchmarks.md). The kernel dequantizes each block in registers and multiplies
+in bf16 dot products, so a decode step reads 134 MB of weights instead of 538 MB.
 
-How. A weight matrix becomes a `QuantizedMatrix`: int8 values and one f32 scale per output
-channel (absmax / 127, symmetric). Each matmul quantizes its input per token, the same way
-(absmax of the token's features / 127), multiplies in integers and rescales:
-
-    y[t, o] = (sum_i xq[t, i] * wq[i, o]) * sx[t] * sw[o]
-
-Per-token scales make a token's result independent of the rest of the batch, as the f32
-path is. Only the four fused projections of each layer (q/k/v, attention output,
-gate/up, down) are quantized; embeddings, norms, the lm_head and LoRA deltas stay f32.
-Accuracy against the f32 path: `benchmarks/w8a8_accuracy.py` (docs/benchmarks.md).
+How. A weight matrix (out, in) is cut into blocks of 32 input values; each block keeps
+one f32 scale (absmax / 127) and 32 int8 values, as llama.cpp's Q8_0 does. Stored as
+`Int8Matrix`: uint8 values (q + 128) [layers, out, in] and scales [layers, out, in / 32],
+both "packed" (columns in groups of 4, block by block) so the kernel streams them in
+order. The activations are not quantized, only rounded to bf16 in the kernel. Accuracy
+against the f32 path: `benchmarks/int8_accuracy.py` (docs/benchmarks.md). Embeddings
+(the token lookup), norms and LoRA deltas stay f32.
 """
 
 from __future__ import annotations
@@ -29,66 +24,68 @@ import numpy as np
 from flax import struct
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+BLOCK = 32  # input values per scale
+GROUP = 4  # output columns packed together
 
 
 @struct.dataclass
-class QuantizedMatrix:
-    """int8 weights `q` (the float matrix's layout, a leading layer axis allowed) and the
-    f32 scale of each output channel."""
+class Int8Matrix:
+    """Packed int8 weights of `layers` matrices (out, in) and their block scales; `layer`
+    is the one a use multiplies by (set per layer inside the model's scan, so the stacked
+    arrays are passed whole and never sliced)."""
 
-    q: jax.Array
-    scale: jax.Array
-    feature_major: bool = struct.field(pytree_node=False, default=False)
+    q: jax.Array  # uint8 [layers, out, in]
+    scale: jax.Array  # f32 [layers, out, in / BLOCK]
+    layer: jax.Array = struct.field(default_factory=lambda: np.zeros((), np.int32))
+
+    def at_layer(self, i) -> "Int8Matrix":
+        return self.replace(layer=i)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
 
 
-def quantize_matrix(w: np.ndarray, *, feature_major: bool) -> QuantizedMatrix:
-    """Symmetric per-output-channel int8 of a weight matrix ((out, in) if
-    `feature_major`, else (in, out); a leading layer axis is kept)."""
+def quantize_int8(w: np.ndarray) -> Int8Matrix:
+    """Int8Matrix of f32 matrices `w` [layers, out, in] (out a multiple of 4, in of 32)."""
     w = np.asarray(w, np.float32)
-    axis = -1 if feature_major else -2  # the input axis, reduced over
-    amax = np.max(np.abs(w), axis=axis, keepdims=True)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return QuantizedMatrix(jnp.asarray(q), jnp.asarray(np.squeeze(scale, axis)),
-                           feature_major)
+    n_l, n, k = w.shape
+    if n % GROUP or k % BLOCK:
+        raise ValueError(f"int8 weights need out % {GROUP} == 0 and in % {BLOCK} == 0, "
+                         f"not {w.shape[1:]}")
+    blocks = w.reshape(n_l, n, k // BLOCK, BLOCK)
+    scale = np.max(np.abs(blocks), axis=-1) / 127.0
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    u = (np.clip(np.rint(blocks * inv[..., None]), -127, 127) + 128).astype(np.uint8)
+    del blocks
+    # Packed: [layers, out / 4, in / 32, 4, 32] and [layers, out / 4, in / 32, 4].
+    u = u.reshape(n_l, n // GROUP, GROUP, k // BLOCK, BLOCK).swapaxes(2, 3)
+    s = scale.astype(np.float32).reshape(n_l, n // GROUP, GROUP, k // BLOCK).swapaxes(2, 3)
+    return Int8Matrix(jnp.asarray(np.ascontiguousarray(u).reshape(n_l, n, k)),
+                      jnp.asarray(np.ascontiguousarray(s).reshape(n_l, n, k // BLOCK)))
+
+
+def dequantize_int8(m: Int8Matrix) -> np.ndarray:
+    """The f32 matrices [layers, out, in] an Int8Matrix stands for (tests, accuracy)."""
+    q, s = np.asarray(m.q), np.asarray(m.scale)
+    n_l, n, k = q.shape
+    u = q.reshape(n_l, n // GROUP, k // BLOCK, GROUP, BLOCK).swapaxes(2, 3)
+    s = s.reshape(n_l, n // GROUP, k // BLOCK, GROUP).swapaxes(2, 3)
+    w = (u.astype(np.float32) - 128.0) * s[..., None]
+    return w.reshape(n_l, n, k)
 
 
 def linear(x, w, *, feature_major: bool):
-    """x times w: `w @ x` feature-major ([in, T] -> [out, T]), else `x @ w`; a
-    `QuantizedMatrix` runs W8A8, a float array as it is."""
-    if not isinstance(w, QuantizedMatrix):
+    """x times w: `w @ x` feature-major ([in, T] -> [out, T]), else `x @ w`. An
+    `Int8Matrix` runs the native kernel (its `layer`), a float array as it is."""
+    if not isinstance(w, Int8Matrix):
         return w @ x if feature_major else x @ w
-    axis = 0 if feature_major else -1  # x's feature axis: one scale per token
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    sx = jnp.where(amax > 0, amax / 127.0, 1.0)
-    xq = jnp.clip(jnp.round(x / sx), -127, 127).astype(jnp.int8)
-    if feature_major:
-        acc = jax.lax.dot(w.q, xq, preferred_element_type=jnp.int32)  # [out, T]
-        return acc.astype(x.dtype) * w.scale[:, None] * sx
-    acc = jax.lax.dot(xq, w.q, preferred_element_type=jnp.int32)  # [T, out]
-    return acc.astype(x.dtype) * w.scale[None, :] * sx
+    from pallas_kernels.native import q8_linear
+
+    return q8_linear(x, w.q, w.scale, w.layer, feature_major=feature_major).astype(x.dtype)
 
 
-def quantize_params(params: dict, *, feature_major: bool) -> dict:
-    """The runner's device params (`llama.prepare_params`, laid out `feature_major` or
-    not) with the four projections of every layer as `QuantizedMatrix`; every other array
-    is the same object (shared)."""
-    layers = params["layers"]
-    fm = feature_major
-
-    def group(g):
-        if isinstance(g, tuple):  # per-layer dicts (the CPU's switched MLP)
-            return tuple(group(d) for d in g)
-        return {k: (quantize_matrix(np.asarray(v), feature_major=fm) if k in PROJECTIONS
-                    else v) for k, v in g.items()}
-
-    return {**params, "layers": {name: group(g) for name, g in layers.items()}}
-
-
-def quantized_bytes(params: dict | None) -> int:
-    """Bytes of the int8 weights and their scales (0: none)."""
-    if params is None:
-        return 0
-    nodes = jax.tree.leaves(params["layers"],
-                            is_leaf=lambda x: isinstance(x, QuantizedMatrix))
-    return sum(m.q.nbytes + m.scale.nbytes for m in nodes if isinstance(m, QuantizedMatrix))
+def quantized_bytes(params: dict) -> int:
+    """Bytes of the int8 weights and their scales in `params` (0: none)."""
+    nodes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8Matrix))
+    return sum(m.nbytes for m in nodes if isinstance(m, Int8Matrix))

@@ -9,7 +9,7 @@ XLA updates it in place. Attention is the backend's business (`pallas_kernels`):
 runner hands it each step's generic layout and passes its metadata and state along.
 
 (Just over 400 lines: the runner owns the device state — KV pool, adapter slots, the
-f32 and W8A8 weights, compiled programs — and every path that touches it is kept here,
+f32 or int8 weights, compiled programs — and every path that touches it is kept here,
 under one lock; prompt scoring and quantization live in scoring.py and quant.py.)
 """
 
@@ -33,7 +33,7 @@ from .base import resolve_dtype
 from .adapter_slots import LoraSlots
 from .config import ModelConfig
 from .llama import StepBatch, forward, prepare_params, rope_inv_freq
-from .quant import quantize_params, quantized_bytes
+from .quant import quantized_bytes
 from .scoring import PromptScorer
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
 from .programs import Programs
@@ -81,7 +81,6 @@ class ModelRunner:
         max_cpu_loras: int | None = None,
         time_all_shapes: bool = False,
         quantization: str = "none",
-        w8a8_min_rows: int = 16,
     ) -> None:
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
@@ -121,19 +120,21 @@ class ModelRunner:
         # of a stacked weight before its matmul (model/llama.py, _per_layer).
         self.switched_mlp = (jax.default_backend() == "cpu" if switched_mlp is None
                              else switched_mlp)
-        self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major,
-                                     switched_mlp=self.switched_mlp)
-        # W8A8 projections (model/quant.py) for the shapes of at least `w8a8_min_rows`
-        # token rows, where the integer matmul beats f32 on XLA:CPU; the f32 weights
-        # serve the smaller shapes. A CPU option: elsewhere the f32/bf16 path stands.
-        if quantization not in ("none", "w8a8"):
-            raise ValueError(f"quantization must be 'none' or 'w8a8', not {quantization!r}")
-        if quantization == "w8a8" and jax.default_backend() != "cpu":
-            raise ValueError("quantization 'w8a8' is for the CPU backend")
+        # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
+        # CPU backend's native kernel in every shape; their f32 copies are not kept.
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', not {quantization!r}")
+        if quantization == "int8":
+            from pallas_kernels.native import NativeUnavailable, available
+
+            ok, why = available()
+            if not ok:
+                raise NativeUnavailable(f"quantization 'int8' needs the CPU's native kernel: "
+                                        f"{why}")
         self.quantization = quantization
-        self.w8a8_min_rows = w8a8_min_rows
-        self.qparams = (quantize_params(self.params, feature_major=self.feature_major)
-                        if quantization == "w8a8" else None)
+        self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major,
+                                     switched_mlp=self.switched_mlp,
+                                     int8=quantization == "int8")
         # LoRA adapters held on the device at once (model/adapter_slots.py); 0: none, and
         # the compiled steps carry no LoRA code at all.
         self.adapter_slots = adapter_slots
@@ -169,7 +170,7 @@ class ModelRunner:
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
                    max_cpu_loras=pool.max_cpu_loras,
                    time_all_shapes=pool.scheduler.itl_target_s > 0,
-                   quantization=pool.quantization, w8a8_min_rows=pool.w8a8_min_rows)
+                   quantization=pool.quantization)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -209,12 +210,6 @@ class ModelRunner:
         return ([Bucket(d, 0) for d in self.decode_buckets]
                 + [Bucket(d, p) for d in self.mixed_decode_buckets for p in self.prefill_buckets])
 
-    def _params_for(self, b: Bucket) -> dict:
-        """The weights bucket `b`'s step multiplies by (W8A8 from `w8a8_min_rows`)."""
-        if self.qparams is not None and b.dec_rows + b.pf_tokens >= self.w8a8_min_rows:
-            return self.qparams
-        return self.params
-
     def _sample_rows(self, b: Bucket) -> int:
         return sample_rows(b, self.block_q, self.max_prefill_seqs)
 
@@ -235,8 +230,7 @@ class ModelRunner:
             "adapter_slots": self.adapter_slots,
             "adapter_slot_bytes": 0 if self.lora is None else self.lora.nbytes,
             "quantization": self.quantization,
-            "w8a8_min_rows": self.w8a8_min_rows if self.qparams is not None else None,
-            "w8a8_weight_bytes": quantized_bytes(self.qparams),
+            "int8_weight_bytes": quantized_bytes(self.params),
             **self.attention.describe(),
         }
 
@@ -295,7 +289,7 @@ class ModelRunner:
             forward, cfg=self.config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             feature_major=self.feature_major)
-        params = self._params_for(b)
+        params = self.params
         step = jax.jit(fn, donate_argnums=(1,)).lower(
             spec(params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
         rows = self._sample_rows(b)
@@ -376,7 +370,7 @@ class ModelRunner:
             batch = self._batch(layout, plan.copies)
             t_pack = time.perf_counter()
             self.kv, logits, hidden = self._steps[bucket](
-                self._params_for(bucket), self.kv, batch, self.attention.state,
+                self.params, self.kv, batch, self.attention.state,
                 self._lora_arrays)
             sampled = self._sample(layout.samples, logits, self._sample_rows(bucket))
             scores = (self._scorer.score(self.params, layout.scored, hidden, sum(bucket))

@@ -41,7 +41,8 @@ class PromptScorer:
         targets = np.full(rows, -1, np.int32)
         for c, at in scored:
             targets[at:at + len(c.score_targets)] = c.score_targets
-        head = {k: params[k] for k in ("final_norm", "embed", "lm_head") if k in params}
+        head = {k: params[k] for k in ("final_norm", "embed", "lm_head", "head_int8")
+                if k in params}
         target_lp, top_ids, top_lp = (np.asarray(a) for a in self._fn(head, hidden, targets))
         out = {}
         for c, at in scored:

@@ -60,6 +60,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     retry_after: float | None = None  # seconds, from retry-after-ms or Retry-After
     error: str | None = None
+    reconnects: int = 0  # sent again: the kept-alive connection was closed, no answer
 
     @property
     def gaps(self) -> list[float]:
@@ -154,8 +155,9 @@ async def send(http: httpx.AsyncClient, spec: RequestSpec, rec: RequestRecord, *
         body["model"] = model
     content = msgspec.json.encode(body)
     start = time.perf_counter()
-    try:
-        with trio.move_on_after(timeout_s) as scope:
+
+    async def attempt() -> bool:  # False: the connection died before any answer
+        try:
             async with http.stream("POST", CHAT_PATH, content=content,
                                    headers={"Content-Type": "application/json"}) as r:
                 rec.http_status = r.status_code
@@ -165,8 +167,22 @@ async def send(http: httpx.AsyncClient, spec: RequestSpec, rec: RequestRecord, *
                     rec.retry_after = retry_after_of(r.headers)
                     rec.status = "rate_limited" if r.status_code == 429 else "http_error"
                     rec.error = raw[:300].decode("utf-8", "replace")
-                    return
+                    return True
                 await _read_events(r, rec, start)
+        except httpx.RemoteProtocolError:
+            if rec.http_status is not None or rec.reconnects:
+                raise
+            rec.reconnects += 1
+            return False
+        return True
+
+    try:
+        with trio.move_on_after(timeout_s) as scope:
+            # A server may close a kept-alive connection just as a request goes out on it
+            # (llama.cpp's server does; the request was never read): send it once more on
+            # a new connection, as the openai client's retries do, and count it.
+            if not await attempt():
+                await attempt()
         if scope.cancelled_caught:
             rec.status, rec.error = "timeout", f"no answer within {timeout_s} s"
     except httpx.TimeoutException as e:  # httpx's own (between reads; same limit)

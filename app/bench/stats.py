@@ -160,6 +160,7 @@ def summarize(records: Sequence[RequestRecord], *, wall_s: float | None = None,
             "goodput_output_tokens_per_s": per_s(sum(r.output_tokens or 0 for r in good)),
         },
         "refusals": refusals(records),
+        "reconnects": sum(r.reconnects for r in records),
         "errors": dict(errors.most_common(5)),
     }
 

@@ -367,3 +367,37 @@ def test_histograms_between_two_scrapes_give_percentiles():
     assert h["p50"] == pytest.approx(0.01)  # the 50th of 100 ends the (1 ms, 10 ms] bucket
     assert h["p95"] == pytest.approx(0.01 + 0.09 * 0.9)
     assert histogram_delta(first, first, "step_host_seconds") is None
+
+
+async def test_a_request_on_a_connection_the_server_closed_is_sent_once_more():
+    """llama.cpp's server closes kept-alive connections; a request that went out on one
+    as it closed is sent again (once), as the openai client's retries would, and counted;
+    a second failure, or one after the answer began, is the request's error."""
+    import httpx
+
+    from app.bench.client import send
+    from app.bench.workloads import RequestSpec
+
+    calls = []
+
+    def answer(fail_first: int):
+        def handler(request: httpx.Request) -> httpx.Response:
+            calls.append(request)
+            if len(calls) <= fail_first:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a "
+                                                "response.", request=request)
+            sse = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+                   b'data: [DONE]\n\n')
+            return httpx.Response(200, content=sse,
+                                  headers={"content-type": "text/event-stream"})
+        return handler
+
+    spec = RequestSpec(messages=(("user", "hello"),), max_tokens=4, prompt_tokens=2)
+    for fail_first, status, reconnects, sent in ((1, "ok", 1, 2), (2, "transport_error", 1, 2)):
+        calls.clear()
+        r = RequestRecord(index=0, tag="main", start=0.0, max_tokens=4)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer(fail_first)),
+                                     base_url="http://x") as http:
+            await send(http, spec, r, model=None, extra={}, timeout_s=10)
+        assert (r.status, r.reconnects, len(calls)) == (status, reconnects, sent)
+    assert summarize([r], wall_s=1.0)["reconnects"] == 1

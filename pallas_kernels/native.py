@@ -1,0 +1,131 @@
+"""The CPU backend's native kernel (`csrc/q8_linear.cc`): built, loaded and registered
+with XLA here, called from the model through `q8_linear`.
+
+It is compiled on this machine the first time a runner asks for it (about 5 s with g++;
+`make install` builds it ahead, `python -m pallas_kernels.native`), for this CPU
+(`-march=native`: the AVX-512 path where the CPU has AVX-512 BF16, a portable loop
+otherwise), and kept in `$SLUICE_CACHE/native/` (default ~/.cache/sluice) under a key of
+the source, the compiler, the flags, jaxlib's version and the CPU's feature flags, so a
+changed source, toolchain or machine builds anew and nothing stale is ever loaded. The
+FFI target is registered once per process under the name `sluice_q8_linear`.
+
+Why native code at all: see the kernel's header and docs/benchmarks.md ("int8 weights").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cc"
+TARGET = "sluice_q8_linear"
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-w")
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel could not be built or loaded here (the message says why)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SLUICE_CACHE", os.path.expanduser("~/.cache/sluice"))
+    return Path(root) / "native"
+
+
+def _compiler() -> str:
+    for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if cand and shutil.which(cand):
+            return cand
+    raise NativeUnavailable("no C++ compiler found (set CXX, or install g++)")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _library_path(cxx: str, flags: tuple[str, ...]) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    import jaxlib
+
+    key = hashlib.sha256("\0".join([
+        SOURCE.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_flags(),
+    ]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"libsluice_q8_{key}.so"
+
+
+def build(flags: tuple[str, ...] = FLAGS, verbose: bool = False) -> Path:
+    """The kernel's shared library, compiled now unless an identical build is cached
+    (`flags`: the compiler's; tests build the portable path with `-march=x86-64`).
+    Concurrent builders each write their own file and rename it into place."""
+    cxx = _compiler()
+    lib = _library_path(cxx, flags)
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise NativeUnavailable(f"building {SOURCE.name} failed ({cxx}):\n"
+                                f"{proc.stderr[-2000:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """Build if needed, load, and register the FFI target (once per process)."""
+    if jax.default_backend() != "cpu":
+        raise NativeUnavailable(f"the native kernel is for the CPU backend, not "
+                                f"{jax.default_backend()!r}")
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
+    return lib
+
+
+def available() -> tuple[bool, str]:
+    """(True, "avx512" | "portable") once loaded, else (False, why not)."""
+    try:
+        lib = load()
+    except (NativeUnavailable, OSError) as e:
+        return False, str(e)
+    return True, "avx512" if lib.sluice_q8_avx512() else "portable"
+
+
+def q8_linear(x, q, scale, layer, *, feature_major: bool, target: str = TARGET):
+    """x times layer `layer` of the packed int8 weights (`model/quant.py`, Int8Matrix):
+    x [K, T] -> [N, T] if `feature_major`, else [T, K] -> [T, N]; f32. (`target`: another
+    registered build of the same kernel, for tests.)"""
+    if target == TARGET:
+        load()
+    n = q.shape[1]
+    t = x.shape[1] if feature_major else x.shape[0]
+    out = jax.ShapeDtypeStruct((n, t) if feature_major else (t, n), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(
+        x.astype(jnp.float32), q, scale, jnp.asarray(layer, jnp.int32),
+        feature_major=np.int32(feature_major))
+
+
+if __name__ == "__main__":  # make install: build ahead of the first serve
+    ok, what = available()
+    print(f"sluice native kernel: {what}" if ok else f"sluice native kernel unavailable: {what}")
