@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-target", type=float, metavar="S",
                    help="plan every step within S seconds: the number of streams follows "
                         "(default: the config's itl_target_s, 0 = off)")
-    s.add_argument("--quantization", choices=["none", "int8"],
+    s.add_argument("--quantization", choices=["auto", "none", "int8"],
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel (default: the config's)")
     s.set_defaults(run=_serve)

@@ -144,8 +144,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: f32 on CPU, bf16 on GPU
     # CPU only: "int8" keeps the layers' projections and the lm_head as int8 weights in
     # 32-value blocks, multiplied by the native kernel in every shape (model/quant.py);
-    # their f32 copies are not kept.
-    quantization: Literal["none", "int8"] = "none"
+    # their f32 copies are not kept. "auto": int8 on the CPU (f32 dtype) where the kernel
+    # builds, else none; "none": the weights as loaded (f32 on the CPU).
+    quantization: Literal["auto", "none", "int8"] = "auto"
     # Attention backend (pallas_kernels): auto = "pallas" on a GPU, "cpu" elsewhere.
     attention: Literal["auto", "cpu", "pallas", "pallas_interpret", "dense"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -16,6 +16,7 @@ under one lock; prompt scoring and quantization live in scoring.py and quant.py.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -37,6 +38,8 @@ from .quant import quantized_bytes
 from .scoring import PromptScorer
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
 from .programs import Programs
+
+log = logging.getLogger("sluice.runner")
 
 _COPY_BUCKET = 16  # pages copied per call of the page-copy program
 SAMPLERS = ("greedy", "full", "penalties")  # each serves what the ones before it do
@@ -122,8 +125,20 @@ class ModelRunner:
                              else switched_mlp)
         # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
         # CPU backend's native kernel in every shape; their f32 copies are not kept.
-        if quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be 'none' or 'int8', not {quantization!r}")
+        # "auto": int8 on the CPU where the kernel builds, else the weights' dtype.
+        if quantization not in ("auto", "none", "int8"):
+            raise ValueError(f"quantization must be 'auto', 'none' or 'int8', not "
+                             f"{quantization!r}")
+        if quantization == "auto":
+            quantization = "none"
+            if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
+                from pallas_kernels.native import available
+
+                ok, why = available()
+                if ok:
+                    quantization = "int8"
+                else:
+                    log.warning("int8 weights unavailable, serving f32: %s", why)
         if quantization == "int8":
             from pallas_kernels.native import NativeUnavailable, available
 

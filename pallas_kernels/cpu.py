@@ -48,8 +48,15 @@ class CpuBackend(AttentionBackend):
                  shared_pages_per_block: int = 64, decode_rows_per_group: int = 8,
                  group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048,
                  max_prefixes: int = 4, segment_rows: int = 4,
-                 prefix_copies: int = 4) -> None:
+                 prefix_copies: int = 4, native_decode: bool | None = None) -> None:
         super().__init__(pool)
+        # Decode rows' own pages through the native kernel (csrc/decode_attention.cc):
+        # None = where it builds (an f32 pool; it falls back to jnp otherwise).
+        if native_decode is None:
+            from .native import available
+
+            native_decode = available()[0]
+        self.native_decode = native_decode
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align
         self.pages_per_block = pages_per_block
@@ -72,7 +79,8 @@ class CpuBackend(AttentionBackend):
         return {"attention": self.name,
                 "prefix_copy_tokens": self.copy.tokens if self.copy else 0,
                 "prefix_copies": self.copy.slots if self.copy else 0,
-                "max_prefixes": self.max_prefixes}
+                "max_prefixes": self.max_prefixes,
+                "native_decode": self.native_decode}
 
     # -- host side --------------------------------------------------------------------------
     def metadata(self, group: GroupLayout, decode: bool | None = None) -> CascadeMeta:
@@ -157,7 +165,8 @@ class CpuBackend(AttentionBackend):
             layer if with_copy else None, meta.buffered_len if with_copy else None,
             meta.copy_at if with_copy else None, meta.segments,
             pages_per_block=self.pages_per_block,
-            shared_pages_per_block=self.shared_pages_per_block, row_groups=groups)
+            shared_pages_per_block=self.shared_pages_per_block, row_groups=groups,
+            native_decode=self.native_decode)
         return jnp.zeros_like(out).at[meta.order].set(out)
 
 

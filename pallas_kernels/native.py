@@ -1,15 +1,18 @@
-"""The CPU backend's native kernel (`csrc/q8_linear.cc`): built, loaded and registered
-with XLA here, called from the model through `q8_linear`.
+"""The CPU backend's native kernels (`csrc/`): built, loaded and registered with XLA here,
+called through `q8_linear` (the int8-weight matmul, model/quant.py) and
+`decode_attention` (each decode row's own pages, pallas_kernels/cascade.py).
 
-It is compiled on this machine the first time a runner asks for it (about 5 s with g++;
+They are compiled on this machine the first time a runner asks for them (~10 s with g++;
 `make install` builds it ahead, `python -m pallas_kernels.native`), for this CPU
 (`-march=native`: the AVX-512 path where the CPU has AVX-512 BF16, a portable loop
 otherwise), and kept in `$SLUICE_CACHE/native/` (default ~/.cache/sluice) under a key of
 the source, the compiler, the flags, jaxlib's version and the CPU's feature flags, so a
 changed source, toolchain or machine builds anew and nothing stale is ever loaded. The
-FFI target is registered once per process under the name `sluice_q8_linear`.
+FFI targets are registered once per process (`sluice_q8_linear`,
+`sluice_decode_attention`).
 
-Why native code at all: see the kernel's header and docs/benchmarks.md ("int8 weights").
+Why native code at all: see each kernel's header and docs/benchmarks.md ("int8 weights",
+"decode attention").
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cc"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "q8_linear.cc", CSRC / "decode_attention.cc")
 TARGET = "sluice_q8_linear"
+ATTENTION_TARGET = "sluice_decode_attention"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-w")
 
 
@@ -64,7 +69,8 @@ def _library_path(cxx: str, flags: tuple[str, ...]) -> Path:
     import jaxlib
 
     key = hashlib.sha256("\0".join([
-        SOURCE.read_text(), cxx, version, " ".join(flags), jaxlib.__version__, _cpu_flags(),
+        *(p.read_text() for p in sorted(CSRC.iterdir())), cxx, version, " ".join(flags),
+        jaxlib.__version__, _cpu_flags(),
     ]).encode()).hexdigest()[:16]
     return _cache_dir() / f"libsluice_q8_{key}.so"
 
@@ -80,13 +86,13 @@ def build(flags: tuple[str, ...] = FLAGS, verbose: bool = False) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise NativeUnavailable(f"building {SOURCE.name} failed ({cxx}):\n"
+        raise NativeUnavailable(f"building the native kernels failed ({cxx}):\n"
                                 f"{proc.stderr[-2000:]}")
     os.replace(tmp, lib)
     return lib
@@ -100,6 +106,8 @@ def load() -> ctypes.CDLL:
                                 f"{jax.default_backend()!r}")
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SluiceDecodeAttention),
+                                platform="cpu")
     return lib
 
 
@@ -124,6 +132,20 @@ def q8_linear(x, q, scale, layer, *, feature_major: bool, target: str = TARGET):
     return jax.ffi.ffi_call(target, out)(
         x.astype(jnp.float32), q, scale, jnp.asarray(layer, jnp.int32),
         feature_major=np.int32(feature_major))
+
+
+def decode_attention(q, k_pool, v_pool, page_offset, tables, start, ctx, m, l, acc, *,
+                     target: str = ATTENTION_TARGET):
+    """One query per row over the keys [start, ctx) of its pages, merged into the partial
+    softmax (m, l, acc) of its shared prefix; q [S, KVH, G, D] pre-scaled; returns the
+    normalized output [S, KVH, G, D] f32 (csrc/decode_attention.cc has the layouts)."""
+    if target == ATTENTION_TARGET:
+        load()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(target, out)(
+        q.astype(jnp.float32), k_pool, v_pool, i32(page_offset), i32(tables), i32(start),
+        i32(ctx), m, l, acc)
 
 
 if __name__ == "__main__":  # make install: build ahead of the first serve

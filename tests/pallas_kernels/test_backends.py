@@ -93,7 +93,8 @@ def prepared(backend, c: Case):
 
 
 CPU_OPTIONS = {
-    "defaults": {},
+    "defaults": {},  # decode rows' own pages through the native kernel, where it builds
+    "jnp-decode": dict(native_decode=False),  # ... and in jnp, row groups of 8
     "no-copy-no-groups": dict(prefix_copy_tokens=0, decode_rows_per_group=64,
                               group_prefill_blocks=False),
     # Shared blocks of 2 pages read in blocks of 1: prefixes are big blocks plus tails.

@@ -1,0 +1,211 @@
+// Decode attention over each row's own pages, for the CPU backend (pallas_kernels/cpu.py):
+// every row walks exactly its own keys, reading them where they lie in the page pool (no
+// gather, no copy), with an online softmax started from the partial result of the row's
+// shared prefix (which the cascade reads once for many rows, pallas_kernels/cascade.py).
+//
+// Registered with XLA as the FFI target "sluice_decode_attention" (native.py). Why: in
+// jnp the rows were walked in groups, each as far as its longest row, through page
+// gathers (a copy of every key and value) and small einsums; a long row made its
+// neighbours walk its keys (docs/benchmarks.md, issue 20).
+//
+//   q       f32 [S, KVH, G, D]: one query per row, pre-scaled by 1/sqrt(D), its G heads
+//           sharing KV head k;
+//   k, v    f32 [P, PS, KVH, D]: the page pool (all layers);
+//   offset  int32 []: the pool row of this layer's page 0;
+//   tables  int32 [S, W]: each row's page ids (this layer's numbering);
+//   start   int32 [S]: the row's first own key (the end of its shared prefix);
+//   ctx     int32 [S]: its keys in the pool (this step's included): own keys are
+//           [start, ctx);
+//   m, l    f32 [S, KVH, G], acc f32 [S, KVH, G, D]: the prefix's partial softmax (max,
+//           sum, weighted values; m = -1e30, l = 0, acc = 0 for none);
+//   out     f32 [S, KVH, G, D]: attention output, acc / l after the own keys.
+// D must be a multiple of 16.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxG = 16;   // query heads per KV head
+constexpr int kMaxD = 256;  // head dimension
+constexpr int kChunk = 16;  // keys scored together
+
+
+#ifdef __AVX512F__
+// exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6
+// (relative error ~2e-7), n applied by scalef; x below -87 gives 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 y = _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), y);
+}
+#endif
+
+struct Args {
+  const float *q, *k, *v, *m0, *l0, *acc0;
+  const int32_t *tables, *start, *ctx;
+  float* out;
+  int64_t kvh, g, d, ps, w, offset, pages;
+};
+
+// Row r, KV head h: the online softmax over keys [start, ctx) on top of the prefix's.
+void row_head(const Args& a, int64_t r, int64_t h) {
+  const int64_t g = a.g, d = a.d;
+  const int64_t base = (r * a.kvh + h) * g;  // index of (r, h, 0)
+  float m[kMaxG], l[kMaxG];
+  alignas(64) float acc[kMaxG][kMaxD];
+  for (int64_t j = 0; j < g; ++j) {
+    m[j] = a.m0[base + j];
+    l[j] = a.l0[base + j];
+    for (int64_t i = 0; i < d; ++i) acc[j][i] = a.acc0[(base + j) * d + i];
+  }
+  const float* q = a.q + base * d;
+  const int32_t* table = a.tables + r * a.w;
+  const int64_t end = std::min<int64_t>(a.ctx[r], a.w * a.ps);  // never past the table
+  const int64_t row_stride = a.kvh * d;  // floats between consecutive tokens of a page
+  alignas(64) float s[kMaxG][kChunk];
+  const float* kp[kChunk];
+  const float* vp[kChunk];
+  for (int64_t t0 = a.start[r]; t0 < end; t0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, end - t0));
+    for (int i = 0; i < n; ++i) {  // where each key and value lies
+      const int64_t t = t0 + i;
+      const int64_t page = std::min<int64_t>(std::max<int32_t>(table[t / a.ps], 0),
+                                             a.pages - 1 - a.offset) + a.offset;
+      const int64_t at = (page * a.ps + t % a.ps) * row_stride + h * d;
+      kp[i] = a.k + at;
+      vp[i] = a.v + at;
+    }
+#ifdef __AVX512F__
+    for (int i = 0; i < n; ++i) {  // scores: q . k for every head of the group
+      __m512 dot[kMaxG];
+      for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m512 kv = _mm512_loadu_ps(kp[i] + c);
+        for (int64_t j = 0; j < g; ++j)
+          dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c), kv, dot[j]);
+      }
+      for (int64_t j = 0; j < g; ++j) s[j][i] = _mm512_reduce_add_ps(dot[j]);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    alignas(64) float p[kMaxG][kChunk];
+    float corr[kMaxG];
+    for (int64_t j = 0; j < g; ++j) {
+      const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), valid, s[j]);
+      const float m_new = std::max(m[j], _mm512_reduce_max_ps(sv));
+      const __m512 pv = _mm512_maskz_mov_ps(
+          valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+      _mm512_store_ps(p[j], pv);
+      corr[j] = std::exp(m[j] - m_new);
+      l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(pv);
+      m[j] = m_new;
+    }
+    for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i
+      __m512 av[kMaxG];
+      for (int64_t j = 0; j < g; ++j)
+        av[j] = _mm512_mul_ps(_mm512_load_ps(acc[j] + c), _mm512_set1_ps(corr[j]));
+      for (int i = 0; i < n; ++i) {
+        const __m512 vv = _mm512_loadu_ps(vp[i] + c);
+        for (int64_t j = 0; j < g; ++j)
+          av[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][i]), vv, av[j]);
+      }
+      for (int64_t j = 0; j < g; ++j) _mm512_store_ps(acc[j] + c, av[j]);
+    }
+#else
+    for (int i = 0; i < n; ++i)
+      for (int64_t j = 0; j < g; ++j) {
+        float dot = 0.f;
+        for (int64_t c = 0; c < d; ++c) dot += q[j * d + c] * kp[i][c];
+        s[j][i] = dot;
+      }
+    for (int64_t j = 0; j < g; ++j) {
+      float m_new = m[j];
+      for (int i = 0; i < n; ++i) m_new = std::max(m_new, s[j][i]);
+      const float corr = std::exp(m[j] - m_new);
+      l[j] *= corr;
+      for (int64_t c = 0; c < d; ++c) acc[j][c] *= corr;
+      for (int i = 0; i < n; ++i) {
+        const float p = std::exp(s[j][i] - m_new);
+        l[j] += p;
+        for (int64_t c = 0; c < d; ++c) acc[j][c] += p * vp[i][c];
+      }
+      m[j] = m_new;
+    }
+#endif
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float inv = l[j] == 0.f ? 1.f : 1.f / l[j];
+    for (int64_t i = 0; i < d; ++i) a.out[(base + j) * d + i] = acc[j][i] * inv;
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::S32> tables,
+                               ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> ctx,
+                               ffi::Buffer<ffi::F32> m0, ffi::Buffer<ffi::F32> l0,
+                               ffi::Buffer<ffi::F32> acc0, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("sluice_decode_attention: bad ranks");
+  Args a;
+  const int64_t rows = qd[0];
+  a.kvh = qd[1];
+  a.g = qd[2];
+  a.d = qd[3];
+  a.pages = kd[0];
+  a.ps = kd[1];
+  a.w = td[1];
+  if (kd[2] != a.kvh || kd[3] != a.d || td[0] != rows || a.g > kMaxG || a.d > kMaxD ||
+      a.d % 16)
+    return ffi::Error::InvalidArgument("sluice_decode_attention: shapes do not agree");
+  a.offset = offset.typed_data()[0];
+  a.q = q.typed_data();
+  a.k = k.typed_data();
+  a.v = v.typed_data();
+  a.m0 = m0.typed_data();
+  a.l0 = l0.typed_data();
+  a.acc0 = acc0.typed_data();
+  a.tables = tables.typed_data();
+  a.start = start.typed_data();
+  a.ctx = ctx.typed_data();
+  a.out = out->typed_data();
+  sluice::parallel_for(pool, rows * a.kvh, [&](int64_t i) { row_head(a, i / a.kvh, i % a.kvh); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ctx
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // m
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // l
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // acc
+                                  .Ret<ffi::Buffer<ffi::F32>>());
