@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from config.settings import PoolConfig
+from model.bench import median_time
 from model.llama import _per_layer, head_logits
 from model.packing import pack, split
 from model.quant import Int8Matrix, linear
@@ -46,13 +45,7 @@ PROJECTIONS = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of `fn()` (which must block until its result is ready)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return median_time(fn, repeats)
 
 
 class Profiler:

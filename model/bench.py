@@ -31,18 +31,25 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def median_time(fn, repeats: int = 7) -> float:
+    """Median seconds of `fn()` over `repeats` calls after one untimed call (`fn` must
+    block until its result is ready). benchmarks/ time their parts with it too."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> float:
     """GB/s for a jitted full read of a float32 buffer (median of `repeats`)."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda a: jnp.sum(a))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    del x
-    return nbytes / statistics.median(times) / 1e9
+    seconds = median_time(lambda: f(x).block_until_ready(), repeats)
+    x.delete()  # 1 GB
+    return nbytes / seconds / 1e9
 
 
 def _plan(chunks):

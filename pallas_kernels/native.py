@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -66,11 +67,9 @@ def _cpu_flags() -> str:
 
 def _library_path(cxx: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    import jaxlib
-
     key = hashlib.sha256("\0".join([
         *(p.read_text() for p in sorted(CSRC.iterdir())), cxx, version, " ".join(flags),
-        jaxlib.__version__, _cpu_flags(),
+        importlib.metadata.version("jaxlib"), _cpu_flags(),
     ]).encode()).hexdigest()[:16]
     return _cache_dir() / f"libsluice_q8_{key}.so"
 

@@ -85,15 +85,16 @@ void row_head(const Args& a, int64_t r, int64_t h) {
   alignas(64) float s[kMaxG][kChunk];
   const float* kp[kChunk];
   const float* vp[kChunk];
-  for (int64_t t0 = a.start[r]; t0 < end; t0 += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, end - t0));
+  for (int64_t t0 = a.start[r], n = 0; t0 < end; t0 += n) {
+    // A chunk: up to kChunk keys of one page, found with one division.
+    const int64_t pi = t0 / a.ps, off = t0 - pi * a.ps;
+    n = std::min<int64_t>(std::min<int64_t>(kChunk, end - t0), a.ps - off);
+    const int64_t page = std::min<int64_t>(std::max<int32_t>(table[pi], 0),
+                                           a.pages - 1 - a.offset) + a.offset;
+    const int64_t at = ((page * a.ps + off) * a.kvh + h) * d;
     for (int i = 0; i < n; ++i) {  // where each key and value lies
-      const int64_t t = t0 + i;
-      const int64_t page = std::min<int64_t>(std::max<int32_t>(table[t / a.ps], 0),
-                                             a.pages - 1 - a.offset) + a.offset;
-      const int64_t at = (page * a.ps + t % a.ps) * row_stride + h * d;
-      kp[i] = a.k + at;
-      vp[i] = a.v + at;
+      kp[i] = a.k + at + i * row_stride;
+      vp[i] = a.v + at + i * row_stride;
     }
 #ifdef __AVX512F__
     for (int i = 0; i < n; ++i) {  // scores: q . k for every head of the group

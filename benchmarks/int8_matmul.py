@@ -1,0 +1,79 @@
+"""The int8-weight kernel against XLA:CPU's f32 matmul, per token-row count (issue 20).
+
+The embedded model's shapes with random weights: the four projections of 30 layers
+(q/k/v 960 x 576, attention output 576 x 576, gate/up 3072 x 576, down 576 x 1536), each
+layer's weight passed whole as the step does, and the tied lm_head (49,152 x 576), at 1
+to 272 token rows (272: a decode of 16 beside a 256-token prompt chunk), feature-major
+as the CPU runner multiplies. Median of 7, ms. Prints one JSON line.
+
+    .venv/bin/python benchmarks/int8_matmul.py [--rows 1,4,16,64,272]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.bench import median_time
+from model.quant import quantize_int8
+from pallas_kernels.native import available, q8_linear
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def timed(f, x) -> float:
+    return round(median_time(lambda: f(x).block_until_ready()) * 1000, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,4,16,64,272")
+    args = ap.parse_args(argv)
+    ok, what = available()
+    if not ok:
+        print(json.dumps({"error": what}))
+        return 1
+    rng = np.random.default_rng(0)
+    f32 = {k: jnp.asarray(rng.standard_normal((30, n, i)).astype(np.float32) * 0.02)
+           for k, (n, i) in SHAPES.items()}
+    i8 = {k: quantize_int8(np.asarray(w)) for k, w in f32.items()}
+    head = rng.standard_normal((1, 49152, 576)).astype(np.float32) * 0.02
+    head_f32, head_i8 = jnp.asarray(head[0]), quantize_int8(head)
+
+    def layers(use_int8):
+        def run(x):
+            def body(acc, i):
+                for k, (_, n_in) in SHAPES.items():
+                    if use_int8:
+                        m = i8[k]
+                        y = q8_linear(x[:n_in], m.q, m.scale, i, feature_major=True)
+                    else:
+                        y = f32[k][i] @ x[:n_in]
+                    acc = acc + y[0, 0]
+                return acc, None
+            return jax.lax.scan(body, jnp.float32(0), jnp.arange(30))[0]
+        return jax.jit(run)
+
+    heads = {
+        "f32": jax.jit(lambda x: (head_f32 @ x[:576])[0, 0]),
+        "int8": jax.jit(lambda x: q8_linear(x[:576], head_i8.q, head_i8.scale, 0,
+                                            feature_major=True)[0, 0]),
+    }
+    runs = {"f32": layers(False), "int8": layers(True)}
+    out = []
+    for rows in map(int, args.rows.split(",")):
+        x = jnp.asarray(rng.standard_normal((1536, rows)).astype(np.float32))
+        out.append({"rows": rows,
+                    "projections_ms": {k: timed(f, x) for k, f in runs.items()},
+                    "lm_head_ms": {k: timed(f, x) for k, f in heads.items()}})
+    print(json.dumps({"kernel": what, "cases": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
