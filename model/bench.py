@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                            for b in batches}
     cfg = loaded.config
     weight_bytes = cfg.num_params() * jnp.dtype(runner.dtype).itemsize
+    int8_bytes = runner.describe()["int8_weight_bytes"]
+    if int8_bytes:  # projections and lm_head in int8: what a step reads (the norms and
+        weight_bytes = int8_bytes  # the few embedding rows it looks up are KBs)
     kv_bytes = (args.context + 1) * runner.kv_bytes_per_token
     step_bytes = weight_bytes + kv_bytes
     floor_s = step_bytes / (out["read_bandwidth_gbps"] * 1e9)

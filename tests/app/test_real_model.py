@@ -27,10 +27,14 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 def small_pool(gguf) -> PoolConfig:
     """The embedded model in a few small shapes (the same as tests/model's real-model
-    runner, so the persistent compilation cache serves both)."""
+    runner, so the persistent compilation cache serves both), in f32: these tests compare
+    numbers across code paths (a scored prompt against its generation, a batch against a
+    lone request) to f32's precision, which int8 weights with bf16 products do not keep
+    (docs/benchmarks.md); the CPU's default, int8, serves the other real-model tests."""
     return PoolConfig(model=str(gguf), max_context=2048, page_size=16,
                       kv_cache_bytes=200 * 16 * 46080, decode_buckets=[4],
                       prefill_buckets=[64, 256], mixed_decode_buckets=[4], dtype="float32",
+                      quantization="none",
                       scheduler=SchedulerConfig(max_running=4, max_step_tokens=260))
 
 
