@@ -110,8 +110,10 @@ def load() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def available() -> tuple[bool, str]:
-    """(True, "avx512" | "portable") once loaded, else (False, why not)."""
+    """(True, "avx512" | "portable") once loaded, else (False, why not); asked once per
+    process (a failing build is not retried by every runner and backend)."""
     try:
         lib = load()
     except (NativeUnavailable, OSError) as e:
