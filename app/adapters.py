@@ -18,7 +18,6 @@ loaded again under the same name (other weights) never hits the old one's pages.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from .errors import APIError, bad_request, not_found
+from .tenants import key_matches
 
 if TYPE_CHECKING:
     from config.settings import ServerConfig
@@ -132,7 +132,7 @@ def is_admin(server: ServerConfig, authorization: str | None) -> bool:
     scheme, _, key = (authorization or "").partition(" ")
     key = key.strip()
     return (scheme.lower() == "bearer" and bool(key) and server.admin_api_key_sha256 is not None
-            and hashlib.sha256(key.encode()).hexdigest() == server.admin_api_key_sha256)
+            and key_matches(key, server.admin_api_key_sha256))
 
 
 def check_admin(server: ServerConfig, tenants: Tenants, authorization: str | None) -> None:
@@ -149,7 +149,7 @@ def check_admin(server: ServerConfig, tenants: Tenants, authorization: str | Non
                        code="admin_disabled")
     if is_admin(server, authorization):
         return
-    if hashlib.sha256(key.encode()).hexdigest() in tenants.by_digest or tenants.open:
+    if tenants.lookup(key) is not None or tenants.open:
         raise APIError(403, "This key may not manage adapters (admin key needed).",
                        type="permission_error", code="admin_required")
     raise APIError(401, "Incorrect API key provided.", type="authentication_error",

@@ -21,9 +21,11 @@ from scheduler.api import EngineDead, GenerateRequest, Overloaded
 from scheduler.protocol import SamplingParams
 
 from .adapters import check_tenant
-from .errors import APIError, bad_request, rate_limited, unavailable
+from .errors import (DRAINING_RETRY_S, LOADING_RETRY_S, APIError, bad_request, rate_limited,
+                     unavailable)
 from .pools import Pool
 from .prompts import chat_checks, completion_checks, tokenize
+from .request_log import request_log
 from .schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from .state import Choices, Flight, Phase, ServerState
 from .structured import constraint_for, grammar_of, logit_bias_of
@@ -60,12 +62,11 @@ class Admitted:
 
 def check_phase(state: ServerState) -> None:
     if state.phase is Phase.LOADING:
-        raise unavailable("The model is still loading; retry shortly.", "model_loading")
+        raise unavailable("The model is still loading; retry shortly.", "model_loading",
+                          LOADING_RETRY_S)
     if state.phase is Phase.DRAINING:
-        raise unavailable("The server is shutting down.", "draining")
+        raise unavailable("The server is shutting down.", "draining", DRAINING_RETRY_S)
     assert state.router is not None
-    if not state.router.alive:
-        raise unavailable("An engine has stopped; this server needs a restart.", "engine_dead")
 
 
 async def admit(state: ServerState, kind: str, body: bytes, authorization: str | None) -> Admitted:
@@ -214,11 +215,11 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         ) for i in range(sequences)]
         flight.submitted(*_submit_all(pool, greqs))
         if flight.closed:
-            raise unavailable("The server is shutting down.", "draining")
+            raise unavailable("The server is shutting down.", "draining", DRAINING_RETRY_S)
     except BaseException:
         flight.close()
         raise
-    return Admitted(
+    adm = Admitted(
         flight=flight,
         kind=kind,
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
@@ -237,6 +238,8 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         prompt_ids=prompt_ids if echo and p.logprobs is not None else (),
         score_only=score_only,
     )
+    flight.log = request_log(state.settings.server.log_requests, adm, text)
+    return adm
 
 
 def _stop_token_ids(ids: list[int] | None, pool: Pool) -> tuple[int, ...]:
@@ -264,20 +267,23 @@ def _precheck(pools: list[Pool], max_tokens: int | None) -> None:
     """429 at once when every pool that could serve the model would refuse any request
     asking for `max_tokens` (the body's; None: not given)."""
     refusal: Overloaded | None = None
+    dead: list[str] = []
     for pool in pools:
         try:
             return pool.precheck(max_tokens)
-        except EngineDead:
-            continue  # the submit says so, or another pool serves it
+        except EngineDead as e:
+            dead.append(str(e))  # another pool may serve it
         except Overloaded as e:
             refusal = e if refusal is None or e.retry_after_s < refusal.retry_after_s else refusal
     if refusal is not None:
         raise _refused(refusal)
+    if dead:  # every pool of the model is dead: 503 before tokenizing anything
+        raise unavailable(f"The engine has stopped: {'; '.join(dead)}", "engine_dead")
 
 
 def _refused(e: Overloaded) -> APIError:
     if e.reason == "draining":
-        return unavailable("The server is shutting down.", "draining")
+        return unavailable("The server is shutting down.", "draining", DRAINING_RETRY_S)
     return rate_limited(f"The server is overloaded ({e.reason}); retry later.",
                         e.retry_after_s, code=e.reason)
 

@@ -20,6 +20,8 @@ from importlib import resources
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from .errors import APIError
+
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 _TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
           ".html": "text/html; charset=utf-8", ".svg": "image/svg+xml", ".txt":
@@ -101,7 +103,8 @@ def register_console(app: QuartTrio) -> None:
     @app.get("/static/<path:name>")
     async def static_file(name: str) -> Response:
         f = files.get(name)
-        if f is None or name.endswith(".html"):
-            return Response(b"Not found", status=404, content_type="text/plain")
+        if f is None or name.endswith(".html"):  # a 404 in the API's shape, like any other
+            raise APIError(404, f"No such file: /static/{name}", type="not_found_error",
+                           code="not_found")
         fresh = request.args.get("v") == f.etag.strip('"')[:10]
         return send(f, "public, max-age=31536000, immutable" if fresh else "no-cache")

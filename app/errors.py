@@ -13,6 +13,11 @@ import math
 
 import msgspec
 
+# Messages and `param` quote the request (a parameter's name, a model name, a bad value):
+# cut, so that a 10 MB field is not echoed back whole (or twice).
+MAX_MESSAGE_CHARS = 2048
+MAX_PARAM_CHARS = 256
+
 
 class ErrorDetail(msgspec.Struct):
     message: str
@@ -38,6 +43,8 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _clip(message, MAX_MESSAGE_CHARS)
+        param = None if param is None else _clip(param, MAX_PARAM_CHARS)
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
@@ -45,6 +52,10 @@ class APIError(Exception):
 
     def body(self) -> bytes:
         return msgspec.json.encode(ErrorBody(self.detail))
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -69,8 +80,18 @@ def rate_limited(message: str, retry_after_s: float, code: str) -> APIError:
     )
 
 
-def unavailable(message: str, code: str) -> APIError:
-    return APIError(503, message, type="server_error", code=code)
+# Retry-After of a 503: a draining server's clients should go elsewhere at once (a load
+# balancer has another replica); a loading one is ready in seconds.
+DRAINING_RETRY_S = 1.0
+LOADING_RETRY_S = 5.0
+
+
+def unavailable(message: str, code: str, retry_after_s: float | None = None) -> APIError:
+    headers = {}
+    if retry_after_s is not None:
+        headers = {"retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000))),
+                   "Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return APIError(503, message, type="server_error", code=code, headers=headers)
 
 
 # What Quart/werkzeug's HTTP errors become (the `type` OpenAI uses for each).

@@ -98,7 +98,11 @@ def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
                 {"name": "steps_since", "in": "query", "required": False,
                  "description": "Comma-separated `pool/replica:index`: return only steps "
                                 "after that index for that replica (the last one seen).",
-                 "schema": {"type": "string", "pattern": STEPS_SINCE}}],
+                 "schema": {"type": "string", "pattern": STEPS_SINCE}},
+                {"name": "audit", "in": "query", "required": False,
+                 "description": "1: audit each pool's KV page books against the live page "
+                                "tables (`kv_pages.audit_problems`; O(pages) per replica).",
+                 "schema": {"type": "string", "enum": ["0", "1", "true", "false"]}}],
             "responses": {"200": {"description": "Live figures", "content": _json(Stats)},
                           **_errors(400, 401)}}},
         "/tokenize": {"post": {

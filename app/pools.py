@@ -73,7 +73,14 @@ class Pool:
 
     @property
     def alive(self) -> bool:
-        return all(e.alive for e in self.engines)
+        """Can it serve? True while one replica is alive: a dead replica's requests fail,
+        and the others take the new ones (`submit` skips it)."""
+        return any(e.alive for e in self.engines)
+
+    @property
+    def deaths(self) -> list[str]:
+        """Why each dead replica stopped (empty: all alive)."""
+        return [e.death or f"engine {e.name!r} stopped" for e in self.engines if not e.alive]
 
     @property
     def warmup_remaining(self) -> int:
@@ -152,8 +159,8 @@ class Pool:
         self._in_flight[replica] -= 1
         self.engines[replica].abort(request_id)
 
-    def stats(self) -> list[EngineStats]:
-        return [e.stats() for e in self.engines]
+    def stats(self, audit: bool = False) -> list[EngineStats]:
+        return [e.stats(audit) for e in self.engines]
 
     def close(self) -> None:
         """Stop the replicas' background compiles (each ends after its current shape)."""
@@ -176,6 +183,7 @@ class Router:
 
     @property
     def alive(self) -> bool:
+        """Every pool can serve (has a live replica)."""
         return all(p.alive for p in self.pools)
 
     def is_adapter(self, model: str | None) -> bool:

@@ -23,7 +23,7 @@ async def tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
     tok = pool.tokenizer
     if isinstance(req, ChatCompletionRequest):
         text = "\n".join(m.text() for m in req.messages)
-        ids = await _maybe_thread(len(text), encode_messages, pool, req.messages)
+        ids = await maybe_thread(len(text), encode_messages, pool, req.messages)
     elif isinstance(req.prompt, list) and all(isinstance(t, int) for t in req.prompt):
         ids = list(req.prompt)
         bad = [t for t in ids if not 0 <= t < pool.vocab_size]  # type: ignore[operator]
@@ -33,7 +33,7 @@ async def tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
         text = tok.decode(ids)
     else:
         text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
-        ids = await _maybe_thread(len(text), tok.encode, text)
+        ids = await maybe_thread(len(text), tok.encode, text)
     if not ids:
         raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
     return list(ids), text
@@ -50,7 +50,9 @@ def encode_messages(pool: Pool, messages: Sequence[ChatMessage]) -> list[int]:
                           param="messages", code="invalid_messages") from None
 
 
-async def _maybe_thread(size: int, fn, *args):
+async def maybe_thread(size: int, fn, *args):
+    """`fn(*args)`, in a worker thread when `size` (characters or tokens) is big enough to
+    stall the event loop."""
     if size < THREAD_TOKENIZE_CHARS:
         return fn(*args)
     return await trio.to_thread.run_sync(fn, *args)

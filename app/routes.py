@@ -18,12 +18,12 @@ from .adapters import check_admin, is_admin, load_adapter, unload_adapter
 from .batches.routes import register_batch_routes
 from .console import register_console
 from .completions import admit, check_phase
-from .errors import bad_request, unavailable
+from .errors import LOADING_RETRY_S, bad_request, unavailable
 from .guardrails import OutputGate
 from .metrics import CONTENT_TYPE
 from .openapi import openapi_spec
 from .pools import Pool
-from .prompts import encode_messages
+from .prompts import encode_messages, maybe_thread
 from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, LoadLoraAdapterRequest,
                       LoraAdapterCard, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                       UnloadLoraAdapterRequest, decode_body)
@@ -73,7 +73,8 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
     async def models() -> Response:
         state.tenants.authenticate(request.headers.get("Authorization"))
         if state.router is None:
-            raise unavailable("The model is still loading; retry shortly.", "model_loading")
+            raise unavailable("The model is still loading; retry shortly.", "model_loading",
+                          LOADING_RETRY_S)
         cards = [ModelCard(name, started, p.max_context, p.config.model)
                  for p in state.router.pools for name in p.config.served_model_names]
         cards += [ModelCard(a.name, a.created, p.max_context, a.path, parent=p.model_name)
@@ -108,11 +109,15 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
             return json_response(Health("loading"), 503)
         if state.phase is Phase.DRAINING:
             return json_response(Health("draining"), 503)
-        if state.router is None or not state.router.alive:
-            return json_response(Health("engine_dead", "an engine loop has stopped"), 503)
+        assert state.router is not None
+        deaths = [d for p in state.router.pools for d in p.deaths]
+        if not state.router.alive:  # a pool with no live replica: restart the server
+            return json_response(Health("engine_dead", "; ".join(deaths)), 503)
         warming = sum(p.warmup_remaining for p in state.router.pools)
         detail = f"serving; {warming} step shapes still compiling in the background" \
             if warming else ""
+        if deaths:  # serving on the live replicas; the dead ones need a restart
+            return json_response(Health("degraded", "; ".join(deaths), warming))
         return json_response(Health("ok", detail, warming))
 
     @app.get("/v1/stats")
@@ -130,8 +135,11 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         except ValueError as e:
             raise bad_request(str(e), param="window_s" if "window" in str(e)
                               else "steps_since") from None
+        audit = request.args.get("audit", "0")
+        if audit not in ("0", "1", "true", "false"):
+            raise bad_request("audit must be 0, 1, true or false.", param="audit")
         out = report(state, state.metrics.live, window_s=window, steps_since=since,
-                     tenant=tenant)
+                     tenant=tenant, audit=audit in ("1", "true"))
         return json_response(out)
 
     @app.get("/metrics")
@@ -151,9 +159,11 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of `prompt` and `messages`.", param="prompt")
         if req.messages is not None:
-            ids = encode_messages(pool, req.messages)
+            size = sum(len(m.text()) for m in req.messages)
+            ids = await maybe_thread(size, encode_messages, pool, req.messages)
         else:
-            ids = pool.tokenizer.encode(req.prompt or "")
+            ids = await maybe_thread(len(req.prompt or ""), pool.tokenizer.encode,
+                                     req.prompt or "")
         return json_response(TokenizeResponse(list(ids), len(ids), pool.max_context))
 
     @app.post("/detokenize")
@@ -163,7 +173,8 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         if bad:
             raise bad_request(f"Token ids must be in [0, {pool.vocab_size}); got {bad[:5]}.",
                               param="tokens", code="invalid_token_id")
-        return json_response(DetokenizeResponse(pool.tokenizer.decode(req.tokens)))
+        text = await maybe_thread(len(req.tokens), pool.tokenizer.decode, req.tokens)
+        return json_response(DetokenizeResponse(text))
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

@@ -305,7 +305,9 @@ class DetokenizeResponse(msgspec.Struct):
 
 
 class Health(msgspec.Struct):
-    status: str  # "ok" | "loading" | "draining" | "engine_dead"
+    # "ok" | "degraded" (a replica died; the others serve) | "loading" | "draining" |
+    # "engine_dead" (a pool has no live replica; the detail says why)
+    status: str
     detail: str = ""
     # Step shapes still compiling in the background: the server already serves, some
     # steps padded to a bigger shape until they are done (docs/operations.md).
@@ -336,6 +338,9 @@ def decode_body(body: bytes, type: type[T]) -> T:
             "UTF-8 JSON object.",
             code="invalid_json",
         ) from None
+    except RecursionError:  # msgspec recurses as deep as the JSON nests (to Python's limit)
+        raise bad_request("The JSON body of your request is nested too deeply.",
+                          code="invalid_json") from None
 
 
 def _validation_error(body: bytes, type: type, e: msgspec.ValidationError) -> APIError:
@@ -350,7 +355,7 @@ def _validation_error(body: bytes, type: type, e: msgspec.ValidationError) -> AP
             try:
                 raw = msgspec.json.decode(body)
                 names = sorted(set(raw) - set(type.__struct_fields__)) or names
-            except (msgspec.DecodeError, TypeError):
+            except (msgspec.DecodeError, TypeError, RecursionError):
                 pass
         where_txt = f" in `{path}`" if path else ""
         listed = ", ".join(f"`{n}`" for n in names)

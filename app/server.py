@@ -9,7 +9,8 @@ the whole nursery down visibly instead of leaving a half-alive server.
 Drain (first SIGINT/SIGTERM, or `state.request_drain`): new requests get 503, engines stop
 admitting, running streams get `drain_grace_s` to finish; what is left is then ended
 cleanly (an error event and ``[DONE]``, its sequence aborted), hypercorn closes, and the
-engine loops are cancelled. A second signal cancels at once.
+engine loops are cancelled. A second signal ends the running streams the same clean way
+at once, without waiting out the grace; a third cancels everything.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import time
 from typing import Awaitable, Callable
 
@@ -28,6 +30,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .errors import APIError, error_type_for
+from .limits import PerIPLimit
 from .pools import Pool, Router
 from .routes import FLIGHTS_KEY, register_routes
 from .state import Phase, ServerState
@@ -89,6 +92,10 @@ def create_app(state: ServerState) -> QuartTrio:
         return response
 
     app.asgi_app = _CloseFlights(app.asgi_app)  # type: ignore[method-assign]
+    per_ip = state.settings.server.max_connections_per_ip
+    if per_ip:  # outermost: a refused request reaches nothing
+        app.asgi_app = PerIPLimit(app.asgi_app, per_ip,  # type: ignore[method-assign]
+                                  state.settings.server.max_body_bytes)
     return app
 
 
@@ -114,16 +121,48 @@ class _CloseFlights:
                 flight.close()
 
 
+class _Hyper(HyperConfig):
+    """Hypercorn's config, whose listening TCP sockets cut stalled clients.
+
+    A client that stops reading fills its socket buffers, then the stream's writes block
+    (hypercorn shields them from cancellation, so the app cannot time them out). The
+    engine never waits for it (tokens pile up, coalesced, in the request's bounded channel
+    and output buffer), but its request would hold KV pages, a stream slot and the
+    connection for as long as the client stays. With TCP_USER_TIMEOUT (Linux; inherited by
+    accepted sockets) the kernel aborts a connection whose sent data has been waiting
+    unacknowledged or behind a zero receive window for `stall_s`; the blocked write then
+    fails, hypercorn closes the connection, and the stream's cleanup aborts the request
+    (pages back to the pool). Elsewhere the option does not exist and nothing is set.
+    """
+
+    stall_s: float = 0.0
+
+    def create_sockets(self):
+        sockets = super().create_sockets()
+        user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if self.stall_s > 0 and user_timeout is not None:
+            for sock in sockets.secure_sockets + sockets.insecure_sockets:
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, user_timeout,
+                                    max(1, int(self.stall_s * 1000)))
+        return sockets
+
+
 async def drain(state: ServerState, grace_s: float) -> None:
     state.phase = Phase.DRAINING
     for pool in state.router.pools if state.router else []:
         pool.start_draining()
-    with trio.move_on_after(grace_s):
-        while state.flights:
-            await state.idle.wait()
+    async with trio.open_nursery() as nursery:
+        with trio.move_on_after(grace_s) as waiting:
+            nursery.start_soon(_cancel_on, state.drain_now, waiting)  # a second signal
+            while state.flights:
+                await state.idle.wait()
+        nursery.cancel_scope.cancel()
     left = list(state.flights)
     if left:
-        log.warning("drain: ending %d requests still running after %.1fs", len(left), grace_s)
+        log.warning("drain: ending %d requests still running (%s)", len(left),
+                    "asked to stop now" if state.drain_now.is_set()
+                    else f"after {grace_s:.1f}s of grace")
     for flight in left:
         flight.stop(STOP_MESSAGE)
 
@@ -145,7 +184,8 @@ async def run_server(
 
     state.batches = await open_batches(state)
     state.metrics.batches = state.batches
-    hconf = HyperConfig()
+    hconf = _Hyper()
+    hconf.stall_s = cfg.client_stall_s
     hconf.bind = [f"{cfg.host}:{cfg.port}"]
     hconf.graceful_timeout = 5.0  # streams were already drained; this only flushes writes
     hconf.accesslog = None
@@ -201,8 +241,12 @@ async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
 async def _watch_signals(state: ServerState, everything: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
+            name = signal.Signals(signum).name
             if not state.drain_requested.is_set():
-                log.warning("%s: draining (again to stop at once)", signal.Signals(signum).name)
+                log.warning("%s: draining (again to end running streams now)", name)
                 state.request_drain()
+            elif not state.drain_now.is_set():
+                log.warning("%s: ending running streams now (again to stop at once)", name)
+                state.request_drain(now=True)
             else:
                 everything.cancel()

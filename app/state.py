@@ -22,6 +22,7 @@ from config.settings import Settings
 from .guardrails import Guardrails
 from .metrics import Metrics
 from .pools import Pool, Router
+from .request_log import RequestLog
 from .tenants import Lease, Tenants
 
 
@@ -43,6 +44,7 @@ class Flight:
     closed: bool = False
     stop_reason: str | None = None  # set when the server ends the request (drain)
     receive_scope: trio.CancelScope | None = None  # cancelled by `stop` to wake the reader
+    log: RequestLog | None = None  # its line in the request log, written at close
 
     def submitted(self, replica: int, handle: Any) -> None:
         self.replica, self.handle = replica, handle
@@ -73,6 +75,8 @@ class Flight:
                 self.pool.finish(self.replica, request_id)
         self.lease.release(self.prompt_tokens + self.generated if self.handle else 0)
         self.state.flights.discard(self)
+        if self.log is not None:
+            self.log.emit(self.prompt_tokens, self.generated)
         if not self.state.flights:
             self.state.idle.set()
 
@@ -106,11 +110,16 @@ class ServerState:
     flights: set[Flight] = field(default_factory=set)
     idle: trio.Event = field(default_factory=trio.Event)  # set whenever flights empties
     drain_requested: trio.Event = field(default_factory=trio.Event)
+    drain_now: trio.Event = field(default_factory=trio.Event)  # end running streams at once
     batches: Any = None  # app.batches.Batches once the store is open (None: batch jobs off)
 
-    def request_drain(self) -> None:
-        """Begin a graceful shutdown (what SIGINT/SIGTERM do); server.py carries it out."""
+    def request_drain(self, now: bool = False) -> None:
+        """Begin a graceful shutdown (what SIGINT/SIGTERM do); server.py carries it out.
+        `now`: do not wait for running streams (the second signal): each ends at once with
+        a final error event."""
         self.drain_requested.set()
+        if now:
+            self.drain_now.set()
 
     def ready(self, router: Router) -> None:
         self.router = router

@@ -214,12 +214,13 @@ def parse_query(window: str | None, steps_since: str | None
 # -- the report ----------------------------------------------------------------------------
 def report(state: ServerState, live: LiveStats, *, window_s: float = 60.0,
            steps_since: dict[tuple[str, int], int] | None = None,
-           tenant: str | None = None) -> Stats:
-    """The whole /v1/stats answer. `tenant`: show only that tenant (None: all)."""
+           tenant: str | None = None, audit: bool = False) -> Stats:
+    """The whole /v1/stats answer. `tenant`: show only that tenant (None: all);
+    `audit`: each pool's KV books audited (`kv_pages.audit_problems`)."""
     now = live.clock()
     base = live.baseline(now - window_s)
     span = now - base.t if base is not None else 0.0
-    pools = [_pool(state, live, p, now, window_s, base, span, steps_since or {})
+    pools = [_pool(state, live, p, now, window_s, base, span, steps_since or {}, audit)
              for p in (state.router.pools if state.router else [])]
     tenants = [_tenant(t, base, span) for t in _tenants(state)
                if tenant is None or t.name == tenant]
@@ -237,8 +238,9 @@ def _rate(now: float, then: float, span: float) -> float:
 
 
 def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s: float,
-          base: _Sample | None, span: float, steps_since: dict) -> PoolStats:
-    stats = pool.stats()
+          base: _Sample | None, span: float, steps_since: dict,
+          audit: bool = False) -> PoolStats:
+    stats = pool.stats(audit)
     cur = _counters(stats, state.metrics.app_rejections, pool)
     old = base.pools.get(pool.name) if base is not None else None
     old = old or {k: ({} if isinstance(v, dict) else 0) for k, v in cur.items()}
@@ -289,7 +291,8 @@ def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sam
 
 def _kv(stats: list) -> KvPages:
     return KvPages(sum(s.kv_pages_total for s in stats), sum(s.kv_pages_in_use for s in stats),
-                   sum(s.kv_pages_cached for s in stats), sum(s.kv_pages_free for s in stats))
+                   sum(s.kv_pages_cached for s in stats), sum(s.kv_pages_free for s in stats),
+                   [problem for s in stats for problem in s.kv_audit])
 
 
 def _series(live: LiveStats, pool: str, now: float, window_s: float) -> Series:

@@ -27,6 +27,10 @@ class KvPages(msgspec.Struct):
     in_use: int  # held by live sequences
     cached: int  # unreferenced, kept for prefix hits (evictable)
     free: int
+    # With `?audit=1`: the allocator's audit of its books against the live page tables
+    # (reference counts, free + cached + in use == total, the prefix cache's keys): empty
+    # when consistent (always empty without it).
+    audit_problems: list[str] = []
 
 
 class Step(msgspec.Struct):

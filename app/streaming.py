@@ -84,6 +84,8 @@ class Reader:
         return out
 
     def _observe(self, events: list) -> None:
+        if self.adm.flight.log is not None:
+            self.adm.flight.log.observe(events)
         now = trio.current_time()
         tokens = sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))
         if tokens:

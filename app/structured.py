@@ -68,6 +68,8 @@ def _grammar(param: str, value) -> str:
                 value = json.loads(value)
             except ValueError as e:
                 raise GrammarError(f"not JSON: {e}") from None
+            except RecursionError:
+                raise GrammarError("nested too deeply") from None
         if not isinstance(value, (dict, bool)):
             raise GrammarError("a JSON schema is an object (or true/false)")
         return json_schema_grammar(value)

@@ -3,8 +3,9 @@
 Everything here runs before a request reaches an engine, and refuses at once (429 with a
 Retry-After) rather than queueing: an unbounded line in front of the chip is how a server
 falls over. Keys are stored only as SHA-256 hex digests, so a leaked config file leaks no
-key; looking the digest up in a dict is safe because a timing difference on a digest
-reveals nothing about a key.
+key. A presented key's digest is compared with every configured digest in constant time
+(`hmac.compare_digest`, no early exit), so how long a refusal takes says nothing about how
+close a guess came, nor which configured key it came close to.
 
 With no tenants configured every request is the anonymous tenant, whatever Authorization
 header it carries, so a local user can start the server and curl it at once (and the
@@ -19,6 +20,7 @@ not generate. A request bigger than the whole bucket is admitted when the bucket
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import time
 from dataclasses import dataclass, field
@@ -108,9 +110,20 @@ class Lease:
             self.tenant.bucket.refund(max(0, self.charged - used_tokens))
 
 
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest of a presented key (configs hold its hex)."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def key_matches(key: str, digest_hex: str) -> bool:
+    """Is `key` the one whose SHA-256 hex digest is `digest_hex`? In constant time."""
+    return hmac.compare_digest(key_digest(key), bytes.fromhex(digest_hex))
+
+
 class Tenants:
     def __init__(self, configs: list[TenantConfig], clock: Callable[[], float] = time.monotonic):
         self.by_digest = {c.api_key_sha256: Tenant(c, bucket=_bucket(c, clock)) for c in configs}
+        self._digests = [(bytes.fromhex(d), t) for d, t in self.by_digest.items()]
         self.anonymous = Tenant(ANONYMOUS)
 
     @property
@@ -125,11 +138,21 @@ class Tenants:
         if scheme.lower() != "bearer" or not key:
             raise APIError(401, "Missing API key: send `Authorization: Bearer <key>`.",
                            type="authentication_error", code="missing_api_key")
-        tenant = self.by_digest.get(hashlib.sha256(key.encode()).hexdigest())
+        tenant = self.lookup(key)
         if tenant is None:
             raise APIError(401, "Incorrect API key provided.", type="authentication_error",
                            code="invalid_api_key")
         return tenant
+
+    def lookup(self, key: str) -> Tenant | None:
+        """The tenant whose key `key` is, or None. Every configured digest is compared, in
+        constant time, whatever matched: the time taken depends only on how many there are."""
+        digest = key_digest(key)
+        found = None
+        for configured, tenant in self._digests:
+            if hmac.compare_digest(configured, digest):
+                found = tenant
+        return found
 
     def named(self, name: str) -> Tenant:
         """The tenant called `name` (a batch job's owner); the anonymous tenant when none

@@ -78,6 +78,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_body_bytes: Positive = 4 * 1024 * 1024
     # SIGINT/SIGTERM: stop admitting, give running streams this long, then end them.
     drain_grace_s: Seconds = 30.0
+    # A client that stops reading (its socket buffers full, no byte acknowledged) is cut
+    # after this long: the connection is closed, its request aborted, its pages freed.
+    # Linux's TCP_USER_TIMEOUT on the listening sockets (app/server.py); 0: never.
+    client_stall_s: Seconds = 60.0
     # Requests admitted at once (streaming or not), across all pools. Past saturation trio
     # serves every task in turn, so an unbounded number of streams slows everyone's token
     # gaps; beyond this bound a request gets 429 instead.
@@ -94,6 +98,14 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The web console: the chat page at / and the live dashboard at /dashboard (static
     # files in app/static; their API calls carry the key). False: neither is served.
     console: bool = True
+    # One line per finished request on the "sluice.requests" logger (id, tenant, model,
+    # outcome, token counts, latency). "metadata": never any prompt or output text;
+    # "hash": plus a SHA-256 prefix of each (match a complaint to a request without
+    # keeping the text); "truncate": plus their first 64 characters; "off": no line.
+    log_requests: Literal["off", "metadata", "hash", "truncate"] = "metadata"
+    # Requests (streams included) one client IP may have in flight at once; more get 429
+    # (app/limits.py). 0: no limit. Behind a proxy every client shares its IP: keep 0.
+    max_connections_per_ip: NonNegative = 0
 
 
 class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
-from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
+from scheduler.protocol import SampledToken, SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .base import resolve_dtype
@@ -97,6 +97,15 @@ class ModelRunner:
             if b % block_q:
                 raise ValueError(f"prefill bucket {b} must be a multiple of {block_q=}")
         self.max_prefill_seqs = max_prefill_seqs
+        if self.prefill_buckets and (
+                self.prefill_buckets[-1] <= max_prefill_seqs * (block_q - 1)):
+            # Each of `max_prefill_seqs` chunks may pad up to block_q - 1 tokens: the
+            # largest bucket must hold that padding and at least one real token more.
+            raise ValueError(
+                f"the largest prefill bucket ({self.prefill_buckets[-1]}) leaves no room for "
+                f"prompt tokens beside {max_prefill_seqs} chunks' padding (max_prefill_seqs x "
+                f"(block_q - 1) = {max_prefill_seqs * (block_q - 1)}): raise prefill_buckets "
+                "or lower max_prefill_seqs")
         # Decode sizes compiled beside each prefill bucket (0: prompt-only steps); None:
         # all of them. A step with prompt tokens uses the smallest that holds its decodes.
         mixed = ([0, *self.decode_buckets] if mixed_decode_buckets is None
@@ -387,7 +396,7 @@ class ModelRunner:
             self.kv, logits, hidden = self._steps[bucket](
                 self.params, self.kv, batch, self.attention.state,
                 self._lora_arrays)
-            sampled = self._sample(layout.samples, logits, self._sample_rows(bucket))
+            sampled, failed = self._sample(layout.samples, logits, self._sample_rows(bucket))
             scores = (self._scorer.score(self.params, layout.scored, hidden, sum(bucket))
                       if layout.scored else {})
             if not layout.samples:
@@ -400,7 +409,8 @@ class ModelRunner:
                                 real_tokens=layout.real_tokens,
                                 device_seconds=time.perf_counter() - t0,
                                 shape=(bucket.dec_rows, bucket.pf_tokens),
-                                host_seconds=t_pack - t0, prompt_logprobs=scores)
+                                host_seconds=t_pack - t0, prompt_logprobs=scores,
+                                failed=failed)
             if return_logits:
                 host = np.asarray(logits)
                 result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}
@@ -422,9 +432,10 @@ class ModelRunner:
             src, dst = ((layers + p[None, :]).reshape(-1) for p in part)
             self.kv = self._copy(self.kv, src, dst)
 
-    def _sample(self, samples: list[SeqChunk], logits, rows: int) -> dict:
+    def _sample(self, samples: list[SeqChunk], logits,
+                rows: int) -> tuple[dict[int, SampledToken], dict[int, str]]:
         if not samples:
-            return {}
+            return {}, {}
         if any(c.sampling.needs_penalties for c in samples):
             kind = "penalties"
         elif all(c.sampling.is_greedy and not c.sampling.logit_bias and c.constraint is None

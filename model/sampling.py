@@ -186,10 +186,23 @@ def sampling_batch(rows: list, n: int, hist: int, rng: np.random.Generator,
                          bias_values=bias_values, allowed=allowed)
 
 
-def unpack(packed: np.ndarray, rows: list) -> dict[int, SampledToken]:
-    """The packed [rows, PACK_WIDTH] result -> seq_id -> SampledToken (logprobs if asked)."""
-    out = {}
+NONFINITE = "the model's logits were not finite (NaN or infinity)"
+
+
+def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dict[int, str]]:
+    """The packed [rows, PACK_WIDTH] result -> (seq_id -> SampledToken (logprobs if
+    asked), seq_id -> why its row failed).
+
+    A row whose chosen token's logprob is not finite had a NaN or an infinity among its
+    logits (log-softmax spreads either to the whole row; finite logits always give a
+    finite logprob): it fails alone instead of emitting an arbitrary token. The check
+    reads a value the sampler computes anyway, so it costs nothing on the device."""
+    out, failed = {}, {}
+    finite = np.isfinite(packed[:len(rows), 1])
     for r, c in enumerate(rows):
+        if not finite[r]:
+            failed[c.seq_id] = NONFINITE
+            continue
         sp = c.sampling
         tok = SampledToken(token_id=int(packed[r, 0]))
         if sp.logprobs or sp.top_logprobs:
@@ -199,4 +212,4 @@ def unpack(packed: np.ndarray, rows: list) -> dict[int, SampledToken]:
                                              float(packed[r, 2 + TOP_LOGPROBS + j]))
                                 for j in range(k)]
         out[c.seq_id] = tok
-    return out
+    return out, failed

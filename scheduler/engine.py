@@ -27,10 +27,15 @@ ways out only decide when and why, and delegate: finishing (stop, length) after 
 `_end_deferred_aborts`), `_shed_expired`, a failed step, and `_fail_all` when the engine
 stops. `_close_stream` is not an ending: it stops delivery to a client that is gone.
 
-Failures: an exception from `runner.step` fails the requests in that step with an
-ErrorEvent and the loop goes on; `max_consecutive_failures` in a row mean the runner is
-broken, so the engine marks itself dead (health checks see `alive == False`), fails
-everything, and `run()` returns. `submit` then raises `EngineDead`.
+Failures are contained to the requests they touch (docs/reliability.md):
+- an exception from `runner.step` fails the requests in that step with an ErrorEvent and
+  the loop goes on; `max_consecutive_failures` in a row mean the runner is broken, so the
+  engine marks itself dead (`alive == False`, `death` says why), fails everything, and
+  `run()` returns. `submit` then raises `EngineDead`;
+- a row the runner reports in `StepResult.failed` (non-finite logits) ends that request
+  alone with an ErrorEvent; the step's other rows are committed as usual;
+- an exception while turning one sequence's token into output (its detokenizer, stop
+  strings, grammar) ends that request alone (`_output_failed`).
 
 (A little over 400 lines: the loop, submit/abort and the one path that ends a request stay
 together, now with structured output's token hand-off and `n` choices' shared channel;
@@ -91,6 +96,7 @@ class Engine:
         self._step_ends_at: float | None = None  # the step in flight's expected end; None: none
         self._wakeup = trio.Event()
         self._alive = True
+        self.death: str | None = None  # why the engine stopped (None: it has not)
         self._draining = False
         self._failures = 0
         self._started_at = clock()
@@ -189,9 +195,10 @@ class Engine:
         seq = self._seqs.get(request_id)
         return seq.seq_id if seq is not None else None
 
-    def stats(self) -> EngineStats:
+    def stats(self, audit: bool = False) -> EngineStats:
+        """`audit`: also check the KV books against the live page tables (O(pages))."""
         now = self.clock()
-        return EngineStats(**self.scheduler.usage(now), **self._log.totals(),
+        return EngineStats(**self.scheduler.usage(now, audit=audit), **self._log.totals(),
                            rejections=dict(self.admission.rejections),
                            uptime_s=max(0.0, now - self._started_at), alive=self._alive)
 
@@ -222,8 +229,7 @@ class Engine:
                 await trio.lowlevel.checkpoint()
         finally:
             if self._alive:  # cancelled: nobody will serve what is left
-                self._alive = False
-                self._fail_all("engine stopped")
+                self._die("engine stopped")
 
     async def _idle(self) -> None:
         self._wakeup = trio.Event()
@@ -251,6 +257,9 @@ class Engine:
             return
         finally:  # also on Cancelled, which only arrives after the thread is done
             self._step_ends_at = None
+        for seq in batch.seqs:  # rows the runner could not sample (non-finite logits)
+            if (why := result.failed.get(seq.seq_id)) is not None and seq.is_running:
+                self._end_request(seq, "error", ErrorEvent(message=f"model step failed: {why}"))
         try:
             sampled = self.scheduler.commit(batch, result)
         except Exception as exc:  # a malformed result (a token missing)
@@ -260,28 +269,11 @@ class Engine:
         self._failures = 0
         if result.device_seconds > 0:
             self.scheduler.observe(batch, result.device_seconds, result.shape)
-        max_context = runner.max_context
         for seq, tok in sampled:
-            out = seq.output
-            if seq.first_token_at is None:
-                seq.first_token_at = t1
-                if seq.prompt_logprobs is not None:
-                    out.prompt_logprobs = tuple(seq.prompt_scores)
-            grammar = seq.constraint
-            if grammar is not None and not grammar.accept(tok.token_id):
-                self._end_request(seq, "error", ErrorEvent(
-                    message=f"structured output failed: {grammar.error}"))
-                continue
-            reason = "stop" if out.append(tok) else None
-            if reason is None and grammar is not None and grammar.finished:
-                reason = "stop"  # the grammar is complete: nothing more may follow
-            if reason is None and (seq.num_generated >= seq.max_tokens
-                                   or seq.num_tokens >= max_context):
-                reason = "length"
-            if reason is not None:
-                self._end_request(seq, reason)
-            elif out.has_text:
-                self._deliver(seq)
+            try:
+                self._take(seq, tok, t1)
+            except Exception as exc:  # this request's output alone is broken
+                self._output_failed(seq, exc)
         self._end_deferred_aborts()
         # Host work: the iteration (from the previous step's end) less the computation.
         end = self.clock()
@@ -295,6 +287,45 @@ class Engine:
                          compute_s=compute, host_s=host)
         self._log.generation_tokens += len(sampled)
 
+    def _take(self, seq: Sequence, tok, now: float) -> None:
+        """One sampled token into a sequence's output: text, stops, grammar, ending."""
+        out = seq.output
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            if seq.prompt_logprobs is not None:
+                out.prompt_logprobs = tuple(seq.prompt_scores)
+        grammar = seq.constraint
+        if grammar is not None and not grammar.accept(tok.token_id):
+            self._end_request(seq, "error", ErrorEvent(
+                message=f"structured output failed: {grammar.error}"))
+            return
+        reason = "stop" if out.append(tok) else None
+        if reason is None and grammar is not None and grammar.finished:
+            reason = "stop"  # the grammar is complete: nothing more may follow
+        if reason is None and (seq.num_generated >= seq.max_tokens
+                               or seq.num_tokens >= self.runner.max_context):
+            reason = "length"
+        if reason is not None:
+            self._end_request(seq, reason)
+        elif out.has_text:
+            self._deliver(seq)
+
+    def _output_failed(self, seq: Sequence, exc: Exception) -> None:
+        """Turning this sequence's tokens into output raised: it ends with an error (its
+        pages freed, if `_end_request` had not got that far), the others go on."""
+        error = ErrorEvent(message=f"output processing failed: {type(exc).__name__}: {exc}")
+        if seq.phase is not Phase.DONE:
+            self._end_request(seq, "error", error)
+            return
+        seq.output.final = error  # it raised inside `_end_request`, after the pages went
+        seq.output.sent()  # drop text that may be what failed
+        self._deliver(seq)
+
+    def _die(self, reason: str) -> None:
+        self._alive = False
+        self.death = reason
+        self._fail_all(reason)
+
     def _step_failed(self, batch: Batch, exc: Exception, t0: float) -> None:
         t1 = self.clock()
         self._failures += 1
@@ -303,9 +334,8 @@ class Engine:
         for seq in (*batch.seqs, *batch.copied):
             self._end_request(seq, "error", ErrorEvent(message=message))
         if self._failures >= self.max_consecutive_failures:
-            self._alive = False
-            self._fail_all(f"engine {self.name!r} is dead after {self._failures} failed "
-                           f"steps; last: {message}")
+            self._die(f"engine {self.name!r} is dead after {self._failures} failed steps in "
+                      f"a row; last: {message}")
 
     # -- ending requests ---------------------------------------------------------------
     def _end_request(self, seq: Sequence, reason: str, error: ErrorEvent | None = None) -> None:

@@ -217,8 +217,9 @@ class Scheduler(ItlPlanning):
         """(usable KV pages, page size): a longer sequence could never be admitted."""
         return self.pages.num_usable, self.pages.page_size
 
-    def usage(self, now: float) -> dict[str, float]:
-        """The `EngineStats` fields the scheduler owns: queue, running batch, KV pool."""
+    def usage(self, now: float, *, audit: bool = False) -> dict[str, float]:
+        """The `EngineStats` fields the scheduler owns: queue, running batch, KV pool;
+        `audit`: also the page allocator's audit (O(pages): asked for, not every read)."""
         pages = self.pages
         oldest = self.waiting.oldest_queued_at()
         return dict(
@@ -229,7 +230,8 @@ class Scheduler(ItlPlanning):
             kv_pages_cached=pages.num_cached, kv_pages_free=pages.num_free,
             prefix_cache_queries_tokens=pages.query_tokens,
             prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions,
-            adapters=self.adapters.stats())
+            adapters=self.adapters.stats(),
+            kv_audit=pages.audit(s.kv_pages for s in self.running.values()) if audit else [])
 
     # -- one iteration -------------------------------------------------------------------
     def schedule(self) -> Batch | None:

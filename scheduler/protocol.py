@@ -126,6 +126,9 @@ class StepResult:
     # seq_id -> per token of a chunk with `score_targets`: the logprob of its target (a
     # SampledToken: the target's id, logprob, top alternatives), None where it had none.
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    # seq_id -> why its row could not be sampled (the model's logits were NaN or infinite):
+    # that request fails alone; it has no entry in `sampled`.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

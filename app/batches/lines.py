@@ -59,6 +59,9 @@ def read_jsonl(content: bytes, endpoint: str, max_requests: int) -> list[Line | 
         except ValueError as e:
             out.append(bad(f"not valid JSON ({e})"))
             continue
+        except RecursionError:
+            out.append(bad("nested too deeply"))
+            continue
         if not isinstance(obj, dict):
             out.append(bad("expected a JSON object"))
             continue

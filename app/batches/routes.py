@@ -136,6 +136,8 @@ def register_batch_routes(app: QuartTrio, state: ServerState) -> None:
             body = json.loads(await request.get_data(cache=False) or b"null")
         except ValueError as e:
             raise bad_request(f"The body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise bad_request("The body is nested too deeply.") from None
         if not isinstance(body, dict):
             raise bad_request("The body must be a JSON object.")
         store = state.batches.store

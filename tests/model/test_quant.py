@@ -137,7 +137,8 @@ def test_int8_without_the_native_kernel_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(native, "available", lambda: (False, "no C++ compiler found"))
     with pytest.raises(native.NativeUnavailable, match="no C\\+\\+ compiler"):
         ModelRunner(TINY, random_params(TINY), quantization="int8", page_size=8,
-                    num_pages=8, max_context=64, decode_buckets=(1,), prefill_buckets=(16,))
+                    num_pages=8, max_context=64, decode_buckets=(1,), prefill_buckets=(16,),
+                    max_prefill_seqs=1)
 
 
 def test_linear_passes_float_weights_through():

@@ -343,3 +343,10 @@ def test_prompt_logprobs_match_the_oracle_across_chunks_and_rows(runner):
         assert s.token_id == toks[pos + 1]
         assert s.logprob == pytest.approx(want[pos, toks[pos + 1]], abs=2e-4)
         assert [t.token_id for t in s.top_logprobs] == list(np.argsort(-want[pos])[:3])
+
+
+def test_a_prefill_bucket_too_small_for_its_chunks_padding_is_refused():
+    # 4 chunks may each pad 15 tokens: a 32-token bucket would hold no prompt token.
+    with pytest.raises(ValueError, match=r"largest prefill bucket \(32\) leaves no room"):
+        ModelRunner(TINY, random_params(TINY), page_size=8, num_pages=8, max_context=64,
+                    decode_buckets=(1,), prefill_buckets=(32,), block_q=16, max_prefill_seqs=4)

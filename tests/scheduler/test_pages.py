@@ -103,6 +103,86 @@ def test_allocate_beyond_capacity_raises():
         alloc.allocate(4)
 
 
+def test_audit_is_clean_through_alloc_share_copy_free_and_evict():
+    alloc = PageAllocator(16, 2)
+    assert alloc.audit([]) == []
+    a = make_seq([1, 2, 3, 4, 5])
+    compute_all(alloc, a)
+    b = make_seq([1, 2, 3, 4, 9], seq_id=1)
+    hits = alloc.match(b)
+    alloc.acquire(hits)
+    b.kv_pages.extend(hits)
+    alloc.grow(b, b.num_tokens)
+    alloc.copy_on_write(b.kv_pages, 1)
+    assert alloc.audit([a.kv_pages, b.kv_pages]) == []
+    alloc.free(a)
+    assert alloc.num_cached and alloc.audit([b.kv_pages]) == []
+    alloc.free(b)
+    assert alloc.evict(1) == 1 and alloc.audit([]) == []
+    assert alloc.num_in_use == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
+
+
+def _shared() -> tuple[PageAllocator, Sequence, Sequence]:
+    """Two live sequences sharing a cached page, one cached page nobody holds."""
+    alloc = PageAllocator(16, 2)
+    a, b = make_seq([1, 2, 3, 4]), make_seq([1, 2, 5, 6], seq_id=1)
+    compute_all(alloc, a)
+    hits = alloc.match(b)
+    alloc.acquire(hits)
+    b.kv_pages.extend(hits)
+    alloc.grow(b, b.num_tokens)
+    c = make_seq([7, 8], seq_id=2)
+    compute_all(alloc, c)
+    alloc.free(c)
+    assert alloc.audit([a.kv_pages, b.kv_pages]) == []
+    return alloc, a, b
+
+
+def test_audit_finds_a_corrupted_reference_count():
+    alloc, a, b = _shared()
+    alloc.ref[a.kv_pages[0]] = 1  # a lost reference: the page would be freed too soon
+    problems = alloc.audit([a.kv_pages, b.kv_pages])
+    assert any("reference counts differ" in p for p in problems), problems
+    with pytest.raises(AssertionError, match="reference counts"):
+        alloc.check([a.kv_pages, b.kv_pages])
+
+
+def test_audit_finds_a_leak_and_a_page_in_two_states():
+    alloc, a, b = _shared()
+    alloc.free(b)
+    assert alloc.audit([a.kv_pages]) == []
+    alloc._free.pop()  # a freed page that never came back to the free list
+    assert any("leaked" in p for p in alloc.audit([a.kv_pages]))
+    alloc, a, b = _shared()
+    cached = next(iter(alloc._lru))
+    alloc._free.append(cached)
+    problems = alloc.audit([a.kv_pages, b.kv_pages])
+    assert f"page {cached} is both free and cached" in problems, problems
+    # The live tables are the truth: a table the books do not know about is found too.
+    alloc, a, b = _shared()
+    assert alloc.audit([a.kv_pages]) != []
+
+
+def test_audit_finds_an_inconsistent_prefix_cache():
+    alloc, a, b = _shared()
+    page = a.kv_pages[0]
+    parent, salt, tokens = alloc._meta[page]
+    alloc._meta[page] = (parent, salt, (9, 9))  # the key no longer names the contents
+    problems = alloc.audit([a.kv_pages, b.kv_pages])
+    assert problems == [f"cached page {page}: its key does not name its contents"], problems
+    alloc, a, b = _shared()
+    key = alloc._key_of[a.kv_pages[1]]
+    del alloc._page_of_key[key]  # a page keyed but unreachable through the cache
+    assert alloc.audit([a.kv_pages, b.kv_pages])
+
+
+def test_audit_lists_at_most_limit_problems():
+    alloc = PageAllocator(40, 2)
+    alloc.ref[1:30] = [5] * 29
+    problems = alloc.audit([], limit=3)
+    assert len(problems) == 4 and problems[-1].startswith("... and ")
+
+
 PS = 2
 NUM_PAGES = 20
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=9)  # tiny alphabet: many hits
