@@ -43,9 +43,10 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     if loaded.tokenizer is None:
         raise ValueError(f"pool {cfg.name!r}: {cfg.model} has no tokenizer to serve text with")
     tokenizer, config = loaded.tokenizer, loaded.config
+    groups = device_groups(cfg)
     runners = [ModelRunner.for_pool(config, loaded.params, cfg,
-                                    eos_token_ids=tokenizer.eos_token_ids)
-               for _ in range(cfg.replicas)]
+                                    eos_token_ids=tokenizer.eos_token_ids, devices=group)
+               for group in groups]
     del loaded  # the runners hold the weights now, in their own layout
     engines: list[Any] = []
     for i, runner in enumerate(runners):
@@ -76,6 +77,28 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
         except ValueError as e:
             raise ValueError(f"pool {cfg.name!r}: adapter {a.name!r}: {e}") from None
     return pool
+
+
+def device_groups(cfg: PoolConfig) -> list[list[Any] | None]:
+    """Each replica's devices (None: JAX's default device), from `devices` and
+    `tensor_parallel`; a config this process cannot honour fails naming the key."""
+    import jax
+
+    present = jax.devices()
+    n, tp = len(present), cfg.tensor_parallel
+    if cfg.devices is None:
+        if tp == 1:
+            return [None] * cfg.replicas
+        if tp > n or n % tp:
+            raise ValueError(f"pools[{cfg.name}].tensor_parallel = {tp}, but this process has "
+                             f"{n} {present[0].platform} devices")
+        ids = [(i * tp + j) % n for i in range(cfg.replicas) for j in range(tp)]
+    else:
+        if missing := [d for d in cfg.devices if d >= n]:
+            raise ValueError(f"pools[{cfg.name}].devices: no device {missing[0]}; this process "
+                             f"has {n} {present[0].platform} devices (ids 0-{n - 1})")
+        ids = cfg.devices
+    return [[present[d] for d in ids[i * tp:(i + 1) * tp]] for i in range(cfg.replicas)]
 
 
 def adapter_reader(config, cfg: PoolConfig) -> Callable[[str, str], Any] | None:

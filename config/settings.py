@@ -175,8 +175,22 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_lora_rank: Positive = 16
     max_cpu_loras: NonNegative | None = None
     adapters: list[AdapterConfig] = []
+    # Devices (docs/operations.md, "Devices and tensor parallelism"): each replica runs on
+    # `tensor_parallel` devices (weights and KV pool split over them, model/tp.py), replica
+    # i on the i-th group of `devices` (JAX device ids; exactly replicas x tensor_parallel
+    # of them). None: JAX's default device for tensor_parallel = 1, else groups from
+    # device 0 on, wrapping around. Two pools' explicit `devices` may not overlap.
+    devices: list[NonNegative] | None = None
+    tensor_parallel: Positive = 1
 
     def __post_init__(self) -> None:
+        if self.devices is not None:
+            need = self.replicas * self.tensor_parallel
+            if len(self.devices) != need:
+                raise ValueError(f"pools[{self.name}].devices: {len(self.devices)} devices "
+                                 f"for replicas x tensor_parallel = {need}")
+            if len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"pools[{self.name}].devices has duplicates: {self.devices}")
         if self.adapters and not self.max_loras:
             raise ValueError(f"pool {self.name!r} lists adapters but max_loras is 0: give it "
                              "at least one adapter slot")
@@ -286,6 +300,13 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ValueError(f"duplicate {what}: {', '.join(dup)}")
+        pinned = [p for p in self.pools if p.devices is not None]
+        for i, a in enumerate(pinned):
+            for b in pinned[i + 1:]:
+                if shared := sorted(set(a.devices) & set(b.devices)):
+                    raise ValueError(f"pools[{b.name}].devices overlaps pools[{a.name}].devices "
+                                     f"(device {', '.join(map(str, shared))}): pinned pools "
+                                     "get devices of their own")
 
 
 class ConfigError(ValueError):

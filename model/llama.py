@@ -33,6 +33,7 @@ from flax import struct
 
 from .config import ModelConfig
 from .quant import PROJECTIONS, Int8Matrix, linear, quantize_int8
+from .tp import interleave
 
 
 @struct.dataclass
@@ -49,7 +50,8 @@ class StepBatch:
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
-                   switched_mlp: bool = False, int8: bool = False) -> dict:
+                   switched_mlp: bool = False, int8: bool = False, shards: int = 1,
+                   place=None) -> dict:
     """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
     layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
     or (the MLP's, with `switched_mlp`) kept one dict per layer (see `_per_layer`).
@@ -59,7 +61,13 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
 
     The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
     `forward(..., feature_major=True)` multiplies from the left (see there). Host copies
-    are made one tensor at a time, so loading never holds two copies of the model."""
+    are made one tensor at a time, so loading never holds two copies of the model.
+
+    `shards` (tensor parallelism, model/tp.py): the fused q/k/v and gate/up interleave
+    their parts so that each of `shards` equal column slices holds its devices' own q, k
+    and v heads (gate and up features), as `forward` on that device expects; `place(name,
+    host array)` puts each tensor on the device(s) (default: `jnp.asarray`)."""
+    put = place or (lambda name, a: jnp.asarray(a))
 
     def matrix(a):
         return np.ascontiguousarray(a.T) if feature_major else a
@@ -67,21 +75,21 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     groups = {
         "attn": {
             "attn_norm": lambda lp: lp["attn_norm"],
-            "wqkv": lambda lp: matrix(np.concatenate([lp["wq"], lp["wk"], lp["wv"]], axis=1)),
+            "wqkv": lambda lp: matrix(interleave([lp["wq"], lp["wk"], lp["wv"]], shards, 1)),
             "wo": lambda lp: matrix(lp["wo"]),
         },
         "mlp": {
             "mlp_norm": lambda lp: lp["mlp_norm"],
-            "w_gate_up": lambda lp: matrix(np.concatenate([lp["w_gate"], lp["w_up"]], axis=1)),
+            "w_gate_up": lambda lp: matrix(interleave([lp["w_gate"], lp["w_up"]], shards, 1)),
             "w_down": lambda lp: matrix(lp["w_down"]),
         },
     }
     if cfg.qkv_bias:
-        groups["attn"]["bqkv"] = lambda lp: np.concatenate([lp["bq"], lp["bk"], lp["bv"]])
+        groups["attn"]["bqkv"] = lambda lp: interleave([lp["bq"], lp["bk"], lp["bv"]], shards, 0)
     layers: dict = {}
     for group, tensors in groups.items():
         if group == "mlp" and switched_mlp and not int8:
-            layers[group] = tuple({name: jnp.asarray(get(lp), dtype)
+            layers[group] = tuple({name: put(name, np.asarray(get(lp), dtype))
                                    for name, get in tensors.items()} for lp in params["layers"])
             continue
         layers[group] = {}
@@ -94,15 +102,16 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
                 layers[group][name] = quantize_int8(host if feature_major
                                                     else host.swapaxes(1, 2))
             else:
-                layers[group][name] = jnp.asarray(host)
+                layers[group][name] = put(name, host)
             del host
-    out = {"embed": jnp.asarray(params["embed"], dtype),
-           "final_norm": jnp.asarray(params["final_norm"], dtype), "layers": layers}
+    out = {"embed": put("embed", np.asarray(params["embed"], dtype)),
+           "final_norm": put("final_norm", np.asarray(params["final_norm"], dtype)),
+           "layers": layers}
     if int8:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
         head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
         out["head_int8"] = quantize_int8(np.asarray(head, np.float32)[None])
     elif not cfg.tie_embeddings:
-        out["lm_head"] = jnp.asarray(matrix(np.asarray(params["lm_head"])), dtype)
+        out["lm_head"] = put("lm_head", np.asarray(matrix(np.asarray(params["lm_head"])), dtype))
     return out
 
 
@@ -177,7 +186,7 @@ def _rope(x, cos, sin):
 
 def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelConfig,
             inv_freq, attention, dec_rows: int, pf_blocks: int, block_q: int,
-            feature_major: bool = False):
+            feature_major: bool = False, reduce=None):
     """Run one step. Returns (new kv pool, logits [sample_rows, vocab] float32, the last
     layer's residual stream for every token: `head_logits` scores prompt tokens from it).
 
@@ -195,8 +204,13 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     stream is kept as [hidden, T] and every weight multiplies from the left, (out, in) @
     (in, T). On XLA:CPU that puts the step's few token rows on the matmul kernel's narrow
     side (a decode step's weight matmuls at 16 rows ran ~18% faster than x @ W). Only the
-    small per-layer q/k/v and attention-output tiles are transposed."""
+    small per-layer q/k/v and attention-output tiles are transposed.
+
+    `reduce` (tensor parallelism, model/tp.py): run on one device's shards (`cfg` with
+    its local head counts), the o and down projections' partial products go through
+    `reduce` (a psum across the devices) before joining the residual stream."""
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    total = reduce or (lambda y: y)
     t = b.tokens.shape[0]
     fm = feature_major
     # Feature-major helpers: `lin` multiplies, `rows` takes feature rows [a, b) as [T, n].
@@ -238,7 +252,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         return adapted(qkv, hn, "qkv", i)
 
     def attn_out(lp, x, attn, i):  # attention's output projection, added to the residual
-        return x + adapted(lin(attn, lp["wo"]), attn, "o", i)
+        return x + total(adapted(lin(attn, lp["wo"]), attn, "o", i))
 
     def mlp(lp, x, i):  # norm, gate/up, SiLU, down, added to the residual
         hn = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax)
@@ -246,7 +260,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         inter = cfg.intermediate_size
         gate, up = (gu[:inter], gu[inter:]) if fm else (gu[:, :inter], gu[:, inter:])
         act = jax.nn.silu(gate) * up
-        return x + adapted(lin(act, lp["w_down"]), act, "down", i)
+        return x + total(adapted(lin(act, lp["w_down"]), act, "down", i))
 
     weights = params["layers"]
 

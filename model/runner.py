@@ -8,19 +8,26 @@ compiles. The KV pool is allocated once at construction and donated into every s
 XLA updates it in place. Attention is the backend's business (`pallas_kernels`): the
 runner hands it each step's generic layout and passes its metadata and state along.
 
-(Just over 400 lines: the runner owns the device state — KV pool, adapter slots, the
-f32 or int8 weights, compiled programs — and every path that touches it is kept here,
-under one lock; prompt scoring and quantization live in scoring.py and quant.py.)
+Given `devices`, the runner lives on them: one device, or N with tensor parallelism
+(model/tp.py): weights and the KV pool are sharded over a 1-D mesh, and every compiled
+step is one SPMD program (`jax.shard_map` around `forward`) whose logits are replicated,
+so sampling and everything after it is unchanged.
+
+(About 500 lines: the runner owns the device state — KV pool, adapter slots, the f32 or
+int8 weights, their placement on devices, compiled programs — and every path that touches
+it is kept here, under one lock; prompt scoring, quantization and the tensor-parallel
+layout live in scoring.py, quant.py and tp.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +45,7 @@ from .quant import quantized_bytes
 from .scoring import PromptScorer
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
 from .programs import Programs
+from .tp import AXIS, TensorParallel
 
 log = logging.getLogger("sluice.runner")
 
@@ -84,7 +92,25 @@ class ModelRunner:
         max_cpu_loras: int | None = None,
         time_all_shapes: bool = False,
         quantization: str = "none",
+        devices: Sequence[Any] | None = None,
     ) -> None:
+        # Where it runs: None, JAX's default device; else these, tensor parallel over them.
+        self.tp = TensorParallel(tuple(devices)) if devices else None
+        tp_n = self.tp.n if self.tp else 1
+        if tp_n > 1:
+            if adapter_slots:
+                raise ValueError("LoRA adapters (max_loras) need tensor_parallel = 1: the "
+                                 "adapter slots are not sharded yet")
+            if quantization == "int8":
+                raise ValueError("quantization 'int8' needs tensor_parallel = 1 (the native "
+                                 "CPU kernel's weights are not sharded)")
+            quantization = "none"  # "auto" too
+            if attention in (None, "cpu"):  # its prefix copy is state kept across steps
+                attention_options = {"prefix_copy_tokens": 0, **(attention_options or {})}
+        self.model_config = config  # as loaded; `config`: padded for tensor parallelism
+        if self.tp is not None:
+            params = self.tp.pad_params(params, config)
+            config = self.tp.padded_config(config)
         self.config = cfg = config
         self.dtype = resolve_dtype(dtype)
         self.page_size = page_size
@@ -122,8 +148,15 @@ class ModelRunner:
                                page_size=page_size, kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, dtype=self.dtype,
                                pages_per_seq=-(-self.max_context // page_size))
-        self.kv = (jnp.zeros(self.pool.shape, self.dtype), jnp.zeros(self.pool.shape, self.dtype))
-        self.attention = make_backend(attention, self.pool, **(attention_options or {}))
+        # What one device computes (the whole model without tensor parallelism).
+        self.local_config = self.tp.local_config(cfg) if self.tp else cfg
+        self.kv = self._new_pool()
+        self.attention = make_backend(
+            attention, dataclasses.replace(self.pool, kv_heads=self.local_config.num_kv_heads),
+            **(attention_options or {}))
+        if tp_n > 1 and self.attention.state is not None:
+            raise ValueError(f"attention backend {self.attention.name!r} keeps device state "
+                             "across steps, which tensor parallelism does not shard")
         # Feature-major residual stream (weights (out, in), multiplied from the left): faster
         # on XLA:CPU at few rows (model/llama.py, forward); not measured on a GPU yet.
         self.feature_major = (jax.default_backend() == "cpu" if feature_major is None
@@ -156,9 +189,12 @@ class ModelRunner:
                 raise NativeUnavailable(f"quantization 'int8' needs the CPU's native kernel: "
                                         f"{why}")
         self.quantization = quantization
-        self.params = prepare_params(params, cfg, self.dtype, feature_major=self.feature_major,
-                                     switched_mlp=self.switched_mlp,
-                                     int8=quantization == "int8")
+        self.params = prepare_params(
+            params, cfg, self.dtype, feature_major=self.feature_major,
+            switched_mlp=self.switched_mlp, int8=quantization == "int8", shards=tp_n,
+            place=self.tp.placer(feature_major=self.feature_major) if self.tp else None)
+        self._param_specs = (self.tp.param_specs(self.params, feature_major=self.feature_major)
+                             if self.tp else None)
         # LoRA adapters held on the device at once (model/adapter_slots.py); 0: none, and
         # the compiled steps carry no LoRA code at all.
         self.adapter_slots = adapter_slots
@@ -181,10 +217,45 @@ class ModelRunner:
         self.time_all_shapes = time_all_shapes
         self.programs = Programs(self.buckets(), self._build)
 
+    def _new_pool(self) -> tuple:
+        """The zeroed K and V pools, made where they live (on their shards, with TP)."""
+        if self.tp is None:
+            return (jnp.zeros(self.pool.shape, self.dtype),
+                    jnp.zeros(self.pool.shape, self.dtype))
+        make = jax.jit(lambda: jnp.zeros(self.pool.shape, self.dtype),
+                       out_shardings=self.tp.sharding(self.tp.kv_spec))
+        return (make(), make())
+
+    def _spec(self, tree: Any) -> Any:
+        """Shapes for an ahead-of-time compile, with the shardings the arrays will have
+        (host arrays: replicated on the mesh; none without devices)."""
+        def one(a):
+            sharding = None
+            if self.tp is not None:
+                sharding = a.sharding if isinstance(a, jax.Array) else self.tp.replicated
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        return jax.tree.map(one, tree)
+
+    def _spmd(self, fn: Callable) -> Callable:
+        """`forward` as one program over the mesh: each device runs it on its shards,
+        with the o/down partial sums all-reduced (model/tp.py)."""
+        if self.tp is None:
+            return fn
+        from jax.sharding import PartitionSpec as P
+
+        kv = (self.tp.kv_spec, self.tp.kv_spec)
+        return jax.shard_map(
+            functools.partial(fn, reduce=functools.partial(jax.lax.psum, axis_name=AXIS)),
+            mesh=self.tp.mesh, in_specs=(self._param_specs, kv, P(), P(), P()),
+            out_specs=(kv, P(), P()), check_vma=False)
+
     @classmethod
     def for_pool(cls, config: ModelConfig, params: dict, pool, *,
-                 eos_token_ids: Iterable[int] = ()) -> "ModelRunner":
-        """A runner shaped by a pool's settings (`config.settings.PoolConfig`)."""
+                 eos_token_ids: Iterable[int] = (),
+                 devices: Sequence[Any] | None = None) -> "ModelRunner":
+        """A runner shaped by a pool's settings (`config.settings.PoolConfig`), on
+        `devices` (None: JAX's default device)."""
         return cls(config, params, eos_token_ids=eos_token_ids, page_size=pool.page_size,
                    kv_cache_bytes=pool.kv_cache_bytes, max_context=pool.max_context,
                    decode_buckets=pool.decode_buckets, prefill_buckets=pool.prefill_buckets,
@@ -194,7 +265,7 @@ class ModelRunner:
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
                    max_cpu_loras=pool.max_cpu_loras,
                    time_all_shapes=pool.scheduler.itl_target_s > 0,
-                   quantization=pool.quantization)
+                   quantization=pool.quantization, devices=devices)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -303,16 +374,15 @@ class ModelRunner:
         only the null page: XLA:CPU's first run of an executable costs 0.1-0.4 s extra,
         which otherwise lands in the first request to need it (docs/architecture.md)."""
         layout = self._dummy(b)
-        spec = lambda tree: jax.tree.map(  # noqa: E731
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        spec = self._spec
         with self._lock:
             batch = self._batch(layout, [])
             state = self.attention.state
             lora = self._lora_arrays
-        fn = functools.partial(
-            forward, cfg=self.config, inv_freq=self._inv_freq, attention=self.attention,
+        fn = self._spmd(functools.partial(
+            forward, cfg=self.local_config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
-            feature_major=self.feature_major)
+            feature_major=self.feature_major))
         params = self.params
         step = jax.jit(fn, donate_argnums=(1,)).lower(
             spec(params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
@@ -350,11 +420,10 @@ class ModelRunner:
                             context=min(2048, self.max_context - 1))
 
     def _compile_sampler(self, kind: str, rows: int) -> Callable:
-        logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+        logits = self._spec(jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32))
         if kind == "greedy":
             return jax.jit(sampling.sample_greedy).lower(logits).compile()
-        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                            self._sampling_args(kind, rows, []))
+        args = self._spec(self._sampling_args(kind, rows, []))
         return jax.jit(sampling.sample_full).lower(logits, *args).compile()
 
     def _sampling_args(self, kind: str, rows: int, samples: list[SeqChunk]) -> tuple:
@@ -368,8 +437,10 @@ class ModelRunner:
         def copy(kv, src, dst):  # pool rows, every layer's
             return tuple(a.at[dst].set(a[src]) for a in kv)
 
-        rows = jax.ShapeDtypeStruct((_COPY_BUCKET * self.config.num_layers,), jnp.int32)
-        return jax.jit(copy, donate_argnums=(0,)).lower(self.kv, rows, rows).compile()
+        rows = self._spec(jax.ShapeDtypeStruct((_COPY_BUCKET * self.config.num_layers,),
+                                               jnp.int32))
+        return jax.jit(copy, donate_argnums=(0,)).lower(self._spec(self.kv), rows,
+                                                          rows).compile()
 
     # --------------------------------------------------------------------------- a step
     def step(self, plan: StepPlan, *, return_logits: bool = False) -> StepResult:

@@ -22,6 +22,14 @@ def test_default_preset_is_one_embedded_pool_and_no_tenants():
     assert s == Settings()
 
 
+def test_chat_and_long_preset_pins_two_pools_to_their_own_devices():
+    s = load_settings(DEFAULT_PRESET.with_name("chat-and-long.toml"))
+    chat, long = s.pools
+    assert chat.devices == [0, 1] and long.devices == [2, 3]
+    assert chat.tensor_parallel == long.tensor_parallel == 2
+    assert chat.max_prompt_tokens is not None and long.min_prompt_tokens > chat.max_prompt_tokens
+
+
 @pytest.mark.parametrize("text, key, expected", [
     ("[server]\nport = 'eighty'\n", "$.server.port", "Expected `int`, got `str`"),
     ("[server]\nport = 70000\n", "$.server.port", "Expected `int` <= 65535"),

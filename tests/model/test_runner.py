@@ -350,3 +350,22 @@ def test_a_prefill_bucket_too_small_for_its_chunks_padding_is_refused():
     with pytest.raises(ValueError, match=r"largest prefill bucket \(32\) leaves no room"):
         ModelRunner(TINY, random_params(TINY), page_size=8, num_pages=8, max_context=64,
                     decode_buckets=(1,), prefill_buckets=(32,), block_q=16, max_prefill_seqs=4)
+
+
+def test_pallas_interpret_runner_gives_the_cpu_backends_greedy_tokens():
+    """GPU readiness without a GPU (issue 18 point 5): the whole runner with the Pallas
+    kernels in interpret mode produces the CPU backend's greedy tokens for a mixed batch
+    (prompts prefilled together, then decoded together)."""
+    from tests.model.tp_check import greedy_run
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (3, 17, 30)]
+    tokens = {}
+    for attention in ("cpu", "pallas_interpret"):
+        r = ModelRunner(TINY, random_params(TINY, seed=2), page_size=8, num_pages=40,
+                        max_context=128, decode_buckets=(4,), prefill_buckets=(64,),
+                        mixed_decode_buckets=(0,), block_q=8, max_prefill_seqs=3,
+                        attention=attention)
+        r.warmup()
+        tokens[attention], _ = greedy_run(r, prompts, 8)
+    assert tokens["pallas_interpret"] == tokens["cpu"]
