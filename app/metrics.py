@@ -141,6 +141,13 @@ class _EngineCollector:
         lora_swaps = counter("lora_slot_swaps",
                              "Slot loads that replaced another adapter (a swap).")
         lora_loaded = gauge("lora_adapters_loaded", "LoRA adapters registered (any slot).")
+        # vLLM's cache geometry, which an endpoint picker's prefix scorer reads (deploy/,
+        # docs/operations.md "Running a fleet on Kubernetes"): the value is 1, the labels say
+        # the KV page size in tokens and how many pages the pool has (all replicas).
+        cache_info = GaugeMetricFamily(
+            "sluice:cache_config_info", "KV cache geometry: block_size (tokens per page), "
+            "num_gpu_blocks (usable pages, all replicas), enable_prefix_caching.",
+            labels=LABELS + ("block_size", "num_gpu_blocks", "enable_prefix_caching"))
 
         router = self.metrics.router
         reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
@@ -170,6 +177,8 @@ class _EngineCollector:
             _histogram(prediction, lv, PREDICTION_BUCKETS, [s.step_prediction for s in stats])
             _histogram(host, lv, HOST_BUCKETS, [s.step_host for s in stats])
             compute.add_metric(lv, sum(s.compute_s for s in stats))
+            cache_info.add_metric(lv + [str(_page_size(pool)), str(s_total),
+                                        str(pool.config.scheduler.prefix_cache)], 1.0)
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
@@ -185,6 +194,14 @@ class _EngineCollector:
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
                     itl_target, prediction, host, compute, lora_info, lora_requests, lora_tokens, lora_loads,
                     lora_swaps, lora_loaded)
+        yield cache_info
+
+
+def _page_size(pool) -> int:
+    """Tokens per KV page, as the replicas' runners lay the cache out."""
+    for engine in pool.engines:
+        return engine.runner.page_size
+    return pool.config.page_size
 
 
 def _histogram(family: HistogramMetricFamily, lv: list[str], bounds: tuple[float, ...],
