@@ -406,6 +406,14 @@ def bench_engine_8b(cfg) -> dict:
     return out
 
 
+def bench_serving_8b(cfg) -> dict:
+    """TP=1 serving through the real engine with the seed's SLO (benchmarks/h200_serving.py;
+    needs trio and msgspec there)."""
+    from h200_serving import bench_serving  # benchmarks/ is this script's sys.path[0]
+
+    return bench_serving(smoke=cfg.smoke)
+
+
 # ---------------------------------------------------------------------------------------
 
 
@@ -464,6 +472,7 @@ def main(argv=None) -> dict:
     if args.sweep or args.sweep_only:
         run("sweep", bench_sweep, cfg, copy_GBps)
     run("engine_8b", bench_engine_8b, cfg)
+    run("serving_8b", bench_serving_8b, cfg)
 
     results["summary"] = _summary(results)
     save(results)

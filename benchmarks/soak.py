@@ -39,6 +39,9 @@ would grow its memory), and stops it at the end. ``--url`` soaks a running serve
 (``--api-key`` for each key to use, ``--pid`` to read its memory and descriptors). The
 exit status is 0 when every check passed.
 
+(About 760 lines: the request mix, the client that disconnects, reads slowly and checks
+every answer, the rest points and the report are one command's parts.)
+
     .venv/bin/python benchmarks/soak.py [--requests 10000] [--concurrency 16] [--seed 0]
         [--config BASE.toml] [--model SRC] [--server-args '...'] [--workdir DIR]
         [--url URL --api-key KEY... [--pid PID]] [--out FILE]

@@ -5,6 +5,9 @@ test-only wrappers (tests/app/faults.py) around a live engine's runner and detok
 Each test checks the same three things after its fault: the affected requests end with
 an error (an SSE error event, or a 5xx for a non-streaming request), every KV page is back
 in the pool, and the server goes on serving (/health, a normal request).
+
+(A little over 350 lines: one test per fault family, with the small sidecar the
+guardrail faults need.)
 """
 
 from __future__ import annotations

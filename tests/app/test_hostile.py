@@ -12,6 +12,9 @@ worker thread and each example's request goes back to the loop through
 `trio.from_thread.run` (one server per test function, examples on one keep-alive client).
 SLUICE_HOSTILE_EXAMPLES sets the examples per property test; the default keeps this file
 well under a minute on 2 cores (docs/reliability.md records a long run).
+
+(About 680 lines: the strategies for each kind of hostile input are most of it, and they
+share one server harness and one set of invariants, so they stay in one file.)
 """
 
 from __future__ import annotations
