@@ -128,7 +128,7 @@ def raise_for(ev: ErrorEvent) -> None:
     if ev.kind in ("shed", "overloaded"):
         raise rate_limited(f"The server is overloaded: {ev.message}", ev.retry_after_s or 1.0,
                            code=ev.kind)
-    status = 503 if ev.kind == "stopped" else 500
+    status = 503 if ev.kind in ("stopped", "engine_dead") else 500
     raise APIError(status, ev.message, type="server_error", code=ev.kind)
 
 

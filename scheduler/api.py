@@ -66,7 +66,9 @@ class FinishEvent:
 @dataclass(frozen=True, slots=True)
 class ErrorEvent:
     message: str
-    kind: str = "server_error"  # "server_error" | "shed" (waited past its deadline) | "overloaded"
+    # "server_error" | "shed" (waited past its deadline) | "overloaded" | "engine_dead" (its
+    # replica stopped: retry, another may serve) | "stopped" (the server is shutting down)
+    kind: str = "server_error"
     retry_after_s: float | None = None
     index: int = 0
 

@@ -394,7 +394,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for seq in list(self._seqs.values()):
-            self._end_request(seq, "error", ErrorEvent(message=message))
+            self._end_request(seq, "error", ErrorEvent(message=message, kind="engine_dead"))
         for seq in list(self._undelivered.values()):
             self._close_stream(seq)  # the loop that would retry is gone
 

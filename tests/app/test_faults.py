@@ -214,25 +214,40 @@ async def test_a_broken_replica_dies_alone_and_the_last_one_fails_fast():
                     nursery.start_soon(normal_request, http)
 
             # The last replica dies with requests running and waiting: each ends with an
-            # error, nothing hangs, and from then on requests are refused at once.
-            got = []
+            # error, nothing hangs, and from then on requests are refused at once. 4 streams
+            # run; 12 plain requests wait. Each failed step ends its own requests (500);
+            # the third kills the replica, and those still waiting fail at once with 503.
+            engine = pool.engines[1]
+            streams: list = []
+            plain: list[httpx.Response] = []
 
-            async def one(i: int) -> None:
-                got.append(await stream(http, f"request {i}", max_tokens=200))
+            async def streamed(i: int) -> None:
+                streams.append(await stream(http, f"request {i}", max_tokens=200))
+
+            async def waiting(i: int) -> None:
+                plain.append(await http.post("/v1/completions", json={
+                    "model": MODEL, "prompt": f"waiting {i}", "max_tokens": 50,
+                    "ignore_eos": True}))
 
             with trio.fail_after(30):
                 async with trio.open_nursery() as nursery:
-                    for i in range(6):  # 4 run, 2 wait (max_running = 4)
-                        nursery.start_soon(one, i)
-                    while pool.engines[1].stats().running < 4:
+                    for i in range(4):
+                        nursery.start_soon(streamed, i)
+                    while engine.stats().running < 4:
+                        await trio.sleep(0.001)
+                    for i in range(12):
+                        nursery.start_soon(waiting, i)
+                    while engine.stats().waiting < 12:
                         await trio.sleep(0.001)
                     broken[1].fail_always = True
-            assert all("error" in events[-1] for events in got), got
-            while pool.engines[1].alive:  # those took 2 steps; the third kills it
-                r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "y",
-                                                             "max_tokens": 4})
-                assert r.status_code == 500, r.text
-            assert broken[1].failed_steps == pool.engines[1].max_consecutive_failures
+            assert all("error" in events[-1] for events in streams), streams
+            assert not engine.alive
+            assert broken[1].failed_steps == engine.max_consecutive_failures
+            codes = sorted(r.status_code for r in plain)
+            assert set(codes) == {500, 503}, codes  # failed in a step / when it died
+            for r in plain:
+                code = r.json()["error"]["code"]
+                assert code == ("engine_dead" if r.status_code == 503 else "server_error"), r.text
             r = await http.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "engine_dead"
             assert "dead after 3 failed steps" in r.json()["detail"]
