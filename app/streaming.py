@@ -76,8 +76,13 @@ class Reader:
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
         if isinstance(out[-1], FinishEvent) and out[-1].finish_reason == "abort":
-            out[-1] = ErrorEvent("the engine aborted the request", kind="aborted",
-                                 index=out[-1].index)
+            if flight.stop_reason is not None:
+                # The server ended it (drain) while an event was already on its way to
+                # this reader, so the receive returned before the cancel could land.
+                out[-1] = ErrorEvent(flight.stop_reason, kind="stopped", index=out[-1].index)
+            else:
+                out[-1] = ErrorEvent("the engine aborted the request", kind="aborted",
+                                     index=out[-1].index)
         if self.adm.score_only:
             out = [_answerless(e) for e in out]
         self._observe(out)
