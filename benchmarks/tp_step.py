@@ -16,7 +16,6 @@ import argparse
 import json
 
 import jax
-import numpy as np
 
 from model.bench import median_time
 from model.presets import PRESETS
@@ -54,10 +53,8 @@ def main() -> None:
             "decode_step_ms": round(1000 * median_time(lambda: r.step(decode)), 1),
             "prefill_step_ms": round(1000 * median_time(lambda: r.step(prefill)), 1),
         }
-        del r
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

@@ -107,8 +107,7 @@ class ModelRunner:
             quantization = "none"  # "auto" too
             if attention in (None, "cpu"):  # its prefix copy is state kept across steps
                 attention_options = {"prefix_copy_tokens": 0, **(attention_options or {})}
-        self.model_config = config  # as loaded; `config`: padded for tensor parallelism
-        if self.tp is not None:
+        if self.tp is not None:  # `config` becomes the padded one (model/tp.py)
             params = self.tp.pad_params(params, config)
             config = self.tp.padded_config(config)
         self.config = cfg = config

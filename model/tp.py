@@ -142,11 +142,6 @@ class TensorParallel:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def put(self, tree: Any, specs: Any) -> Any:
-        """Place `tree` on the mesh, each leaf as its spec says (host arrays go straight
-        to their shards)."""
-        return jax.tree.map(lambda a, s: jax.device_put(a, self.sharding(s)), tree, specs)
-
 
 def spec_for(name: str, ndim: int, *, feature_major: bool) -> P:
     """How the device-layout leaf `name` (stacked [layers, ...] or one layer's; matrices

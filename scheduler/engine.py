@@ -37,7 +37,7 @@ Failures are contained to the requests they touch (docs/reliability.md):
 - an exception while turning one sequence's token into output (its detokenizer, stop
   strings, grammar) ends that request alone (`_output_failed`).
 
-(A little over 400 lines: the loop, submit/abort and the one path that ends a request stay
+(About 450 lines: the loop, submit/abort and the one path that ends a request stay
 together, now with structured output's token hand-off and `n` choices' shared channel;
 admission and the step log already live in their own modules.)
 """

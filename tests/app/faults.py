@@ -63,7 +63,7 @@ class _Decoder:
         self.inner, self.mode = inner, mode
 
     def push(self, token_id: int) -> str:
-        text = self.inner.push(token_id)
+        self.inner.push(token_id)  # the real decoder keeps its state
         if self.mode == "boom":
             raise InjectedFault("injected detokenizer failure")
         return 12345  # type: ignore[return-value]  # not text: the stop check raises
