@@ -3,6 +3,7 @@
     sluice serve [--config FILE] [--host H] [--port P] [--model SRC] [--max-waiting N]
                  [--max-running N] [--scheduling continuous|static] [--no-prefix-cache]
                  [--ttft-target S]
+                 [--coordinator HOST:PORT --num-processes N --process-id I]  (multi-host)
     sluice chat [--url URL] [--model NAME] [--api-key KEY]   (a running server)
     sluice generate PROMPT [--model SRC]                     (no HTTP: the engine directly)
     sluice fetch                                             (the embedded model)
@@ -76,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quantization", choices=["auto", "none", "int8"],
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel (default: the config's)")
+    m = s.add_argument_group(
+        "multi-host replica", "one replica over N processes (jax.distributed): process 0 "
+        "serves HTTP, the others only run its steps on their devices (docs/operations.md)")
+    m.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="process 0's address, the same for every process")
+    m.add_argument("--num-processes", type=int, default=1, metavar="N")
+    m.add_argument("--process-id", type=int, default=0, metavar="I")
     s.set_defaults(run=_serve)
 
     c = sub.add_parser("chat", help="chat with a running server in the terminal")
@@ -156,7 +164,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
-    return serve(settings_from(args))
+    group = None
+    if args.num_processes > 1 or args.coordinator:
+        if not args.coordinator or args.num_processes < 2:
+            raise ConfigError("a multi-host replica needs --coordinator HOST:PORT and "
+                              "--num-processes N (N >= 2), with each process's --process-id")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ConfigError(f"--process-id {args.process_id} is not in "
+                              f"0..{args.num_processes - 1}")
+        group = (args.coordinator, args.num_processes, args.process_id)
+    return serve(settings_from(args), group=group)
 
 
 def _chat(args: argparse.Namespace) -> int:

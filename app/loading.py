@@ -37,7 +37,11 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     from model.weights import load_model
     from scheduler.engine import Engine
 
+    from model import multihost
+
     enable_compilation_cache()
+    if multihost.active():
+        check_multihost([cfg])
     warmup = warmup or cfg.warmup
     loaded = load_model(cfg.model, progress=show_progress)
     if loaded.tokenizer is None:
@@ -48,6 +52,8 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
                                     eos_token_ids=tokenizer.eos_token_ids, devices=group)
                for group in groups]
     del loaded  # the runners hold the weights now, in their own layout
+    if multihost.active():  # from here on every device call is mirrored to the followers
+        runners[0].mirror = multihost.Leader()
     engines: list[Any] = []
     for i, runner in enumerate(runners):
         what = f"{cfg.name}: warm up replica {i + 1}/{cfg.replicas}"
@@ -99,6 +105,51 @@ def device_groups(cfg: PoolConfig) -> list[list[Any] | None]:
                              f"has {n} {present[0].platform} devices (ids 0-{n - 1})")
         ids = cfg.devices
     return [[present[d] for d in ids[i * tp:(i + 1) * tp]] for i in range(cfg.replicas)]
+
+
+def check_multihost(pools) -> PoolConfig:
+    """The one pool a multi-host replica serves: one replica, tensor parallel over every
+    device of its processes (model/multihost.py). Else a ValueError naming the key."""
+    import jax
+
+    from model import multihost
+
+    if len(pools) != 1:
+        raise ValueError(f"a multi-host replica serves one pool; the config has {len(pools)} "
+                         f"({', '.join(p.name for p in pools)})")
+    cfg = pools[0]
+    if cfg.replicas != 1:
+        raise ValueError(f"pools[{cfg.name}].replicas = {cfg.replicas}: a multi-host server "
+                         "is one replica over its processes")
+    n = jax.device_count()
+    if cfg.tensor_parallel != n:
+        raise ValueError(f"pools[{cfg.name}].tensor_parallel = {cfg.tensor_parallel}, but a "
+                         f"multi-host replica spans all {n} devices of its "
+                         f"{multihost.num_processes()} processes")
+    return cfg
+
+
+def run_follower(settings: Settings) -> int:
+    """A follower process of a multi-host replica (`sluice serve --process-id I`, I > 0):
+    its runner built as process 0 builds its own, then the device calls process 0 sends,
+    replayed until it stops. Returns `Follower.serve`'s status."""
+    from config.settings import ConfigError
+    from model.multihost import Follower
+    from model.runner import ModelRunner, enable_compilation_cache
+    from model.weights import load_model
+
+    try:
+        cfg = check_multihost(settings.pools)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    enable_compilation_cache()
+    loaded = load_model(cfg.model, progress=False)
+    eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else ()
+    runner = ModelRunner.for_pool(loaded.config, loaded.params, cfg, eos_token_ids=eos,
+                                  devices=device_groups(cfg)[0])
+    del loaded
+    runner.precompile_in_background()
+    return Follower().serve(runner)
 
 
 def adapter_reader(config, cfg: PoolConfig) -> Callable[[str, str], Any] | None:

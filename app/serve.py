@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import trio
@@ -27,7 +28,9 @@ def _console():
     return Console(stderr=True, highlight=False)
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, group: tuple[str, int, int] | None = None) -> int:
+    """`group`: (coordinator, processes, this process's id) of a multi-host replica;
+    process 0 serves HTTP, the others follow (`follow`)."""
     from model.host_memory import limit_arenas
 
     from .loading import load_pools
@@ -40,6 +43,15 @@ def serve(settings: Settings) -> int:
     for name in ("sluice", "hypercorn.error"):
         logging.getLogger(name).setLevel(logging.INFO)
     console = _console()
+    if group is not None:
+        from model import multihost
+
+        coordinator, processes, pid = group
+        console.print(f"[bold]sluice[/] process {pid} of {processes}: joining the replica "
+                      f"at {coordinator}", soft_wrap=True)
+        multihost.initialize(coordinator, processes, pid)
+        if pid:
+            return follow(settings)
     state = ServerState(settings, Tenants(list(settings.tenants)), Guardrails(settings.guardrails))
     names = [n for p in settings.pools for n in p.served_model_names]
 
@@ -67,6 +79,21 @@ def serve(settings: Settings) -> int:
                                 on_ready=ready))
     console.print("sluice: stopped")
     return 0
+
+
+def follow(settings: Settings) -> int:
+    """A multi-host replica's process other than 0: load its shards, then run the device
+    calls process 0 sends until it stops (0) or is gone (1)."""
+    from .loading import run_follower
+
+    status = run_follower(settings)
+    why = ("the leader stopped", "the leader is gone", "a device call failed")[status]
+    _console().print(f"sluice: follower stopped ({why})")
+    if status:  # skip jax.distributed's exit handshake: its coordinator may be gone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def generate(settings: Settings, prompt: str, *, max_tokens: int, temperature: float,

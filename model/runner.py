@@ -13,10 +13,15 @@ Given `devices`, the runner lives on them: one device, or N with tensor parallel
 step is one SPMD program (`jax.shard_map` around `forward`) whose logits are replicated,
 so sampling and everything after it is unchanged.
 
-(About 500 lines: the runner owns the device state — KV pool, adapter slots, the f32 or
+Every device program it launches goes through one of its `_dev_*` calls, whose arguments
+are host data: a multi-host replica's process 0 sends each one to the other processes
+first (`mirror`, model/multihost.py), so they run the same programs in the same order.
+
+(About 600 lines: the runner owns the device state — KV pool, adapter slots, the f32 or
 int8 weights, their placement on devices, compiled programs — and every path that touches
-it is kept here, under one lock; prompt scoring, quantization and the tensor-parallel
-layout live in scoring.py, quant.py and tp.py.)
+it is kept here, under one lock, so that the device calls can be listed in one place;
+prompt scoring, quantization, the tensor-parallel layout and the multi-host channel live
+in scoring.py, quant.py, tp.py and multihost.py.)
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from .llama import StepBatch, forward, prepare_params, rope_inv_freq
 from .quant import quantized_bytes
 from .scoring import PromptScorer
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
+from .multihost import mirrored
 from .programs import Programs
 from .tp import AXIS, TensorParallel
 
@@ -205,7 +211,14 @@ class ModelRunner:
         self._samplers: dict[tuple[str, int], Callable] = {}
         self._copy: Callable | None = None
         self._scorer = PromptScorer(cfg, self.feature_major)  # prompt logprobs
-        self._lock = threading.Lock()  # the pool and the backend's state: one user at a time
+        # The pool and the backend's state: one user at a time (reentrant: a device call
+        # may compile its program on first use, inside the lock).
+        self._lock = threading.RLock()
+        self._compile_lock = threading.Lock()
+        self._last: tuple[Any, Any] = (None, None)  # the last step's logits and hidden
+        # A multi-host replica's leader (model/multihost.py): every device call is
+        # mirrored to the follower processes first; None in one process.
+        self.mirror = None
         self._rng = np.random.default_rng()
         # (decode rows, prefill tokens, seconds) of each shape's timed warm-up run, for the
         # scheduler's step-cost estimates before any request ran (appended by the thread
@@ -333,6 +346,11 @@ class ModelRunner:
                progress: Callable[[str, int, int], None] | None = None) -> None:
         """Compile, and run once, the steps of `buckets` (None: every bucket) with their
         samplers, the page copy and the attention backend's own programs."""
+        if self.mirror is not None:  # a follower lost meanwhile must not hang the start
+            return self.mirror.watch(self._warmup, buckets, progress)
+        self._warmup(buckets, progress)
+
+    def _warmup(self, buckets, progress) -> None:
         self._warm_support()
         self.programs.compile(self.programs.all if buckets is None else buckets, progress)
 
@@ -355,49 +373,28 @@ class ModelRunner:
         return self.programs.remaining
 
     def close(self) -> None:
-        """Stop compiling in the background (after the shape being compiled now)."""
+        """Stop compiling in the background (after the shape being compiled now), and a
+        multi-host replica's followers."""
         self.programs.close()
+        if self.mirror is not None:
+            self.mirror.close()
 
     def _warm_support(self) -> None:
         with self._lock:
-            if self._copy is None:
-                self._copy = self._compile_copy()
-                null = np.zeros(_COPY_BUCKET * self.config.num_layers, np.int32)
-                self.kv = self._copy(self.kv, null, null)  # first run: page 0 onto itself
-            self.attention.warmup(self.kv)
-            if self.lora is not None:
-                self.lora.compile()
+            self._dev_support()
 
     def _build(self, b: Bucket) -> None:
         """Compile bucket `b`'s step and samplers, then run each once on inputs that touch
         only the null page: XLA:CPU's first run of an executable costs 0.1-0.4 s extra,
         which otherwise lands in the first request to need it (docs/architecture.md)."""
+        self._precompile(b)
         layout = self._dummy(b)
-        spec = self._spec
-        with self._lock:
-            batch = self._batch(layout, [])
-            state = self.attention.state
-            lora = self._lora_arrays
-        fn = self._spmd(functools.partial(
-            forward, cfg=self.local_config, inv_freq=self._inv_freq, attention=self.attention,
-            dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
-            feature_major=self.feature_major))
-        params = self.params
-        step = jax.jit(fn, donate_argnums=(1,)).lower(
-            spec(params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
         rows = self._sample_rows(b)
-        for kind in SAMPLERS:
-            if (kind, rows) not in self._samplers:
-                self._samplers[(kind, rows)] = self._compile_sampler(kind, rows)
         with self._lock:
-            batch = self._batch(layout, [])
-            self.kv, logits, _ = step(params, self.kv, batch, self.attention.state,
-                                      self._lora_arrays)
+            self._dev_step(b, self._batch(layout, []))
             for kind in SAMPLERS:
-                np.asarray(self._samplers[(kind, rows)](
-                    logits, *self._sampling_args(kind, rows, [])))
+                np.asarray(self._dev_sample(kind, rows, self._sampling_args(kind, rows, [])))
         if not self.time_all_shapes and b.pf_tokens not in (0, max(self.prefill_buckets)):
-            self._steps[b] = step
             return
         # Once more, timed (the first run's extra cost is gone): the step-cost estimate
         # admission predicts from until real steps are measured. The model needs each
@@ -405,13 +402,100 @@ class ModelRunner:
         # largest prefill bucket beside each mixed decode size are enough.
         with self._lock:
             t0 = time.perf_counter()
-            batch = self._batch(layout, [])
-            self.kv, logits, _ = step(params, self.kv, batch, self.attention.state,
-                                      self._lora_arrays)
-            np.asarray(self._samplers[("greedy", rows)](
-                logits, *self._sampling_args("greedy", rows, [])))
+            self._dev_step(b, self._batch(layout, []))
+            np.asarray(self._dev_sample("greedy", rows, ()))
             self.warmup_times.append((b.dec_rows, b.pf_tokens, time.perf_counter() - t0))
-        self._steps[b] = step
+
+    def _precompile(self, b: Bucket) -> None:
+        """Bucket `b`'s step and samplers compiled (nothing runs)."""
+        self._program(b)
+        for kind in SAMPLERS:
+            self._sampler(kind, self._sample_rows(b))
+
+    def precompile_in_background(self) -> None:
+        """A multi-host follower's warm-up: compile every shape ahead of the leader's first
+        call for it, without running anything (a follower launches only what the leader
+        tells it to)."""
+        order = [*self.programs.essential(), *self.programs.all]
+
+        def run() -> None:
+            try:
+                for b in dict.fromkeys(order):
+                    self._precompile(b)
+            except Exception:  # noqa: BLE001 - compiled on demand instead
+                log.exception("precompiling failed; shapes compile when first called")
+
+        threading.Thread(target=run, name="sluice-precompile", daemon=True).start()
+
+    def _program(self, b: Bucket) -> Callable:
+        """Bucket `b`'s compiled step (compiled now if it is not yet)."""
+        step = self._steps.get(b)
+        if step is None:
+            with self._compile_lock:
+                step = self._steps.get(b)
+                if step is None:
+                    step = self._steps[b] = self._compile_step(b)
+        return step
+
+    def _compile_step(self, b: Bucket) -> Callable:
+        spec = self._spec
+        with self._lock:
+            batch = self._batch(self._dummy(b), [])
+            state = self.attention.state
+            lora = self._lora_arrays
+        fn = self._spmd(functools.partial(
+            forward, cfg=self.local_config, inv_freq=self._inv_freq, attention=self.attention,
+            dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
+            feature_major=self.feature_major))
+        return jax.jit(fn, donate_argnums=(1,)).lower(
+            spec(self.params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
+
+    def _sampler(self, kind: str, rows: int) -> Callable:
+        fn = self._samplers.get((kind, rows))
+        if fn is None:
+            with self._compile_lock:
+                fn = self._samplers.get((kind, rows))
+                if fn is None:
+                    fn = self._samplers[(kind, rows)] = self._compile_sampler(kind, rows)
+        return fn
+
+    # ----------------------------------------------------------------- device calls
+    # Every device program the runner launches goes through one of these, with host
+    # arguments only: a multi-host replica's followers replay them in the same order
+    # (model/multihost.py, `replay`). The caller holds the lock.
+    def replay(self, name: str, args: tuple) -> None:
+        """A follower's side of a mirrored device call."""
+        with self._lock:
+            getattr(self, name)(*args)
+
+    @mirrored
+    def _dev_support(self) -> None:
+        if self._copy is None:
+            self._copy = self._compile_copy()
+            null = np.zeros(_COPY_BUCKET * self.config.num_layers, np.int32)
+            self.kv = self._copy(self.kv, null, null)  # first run: page 0 onto itself
+        self.attention.warmup(self.kv)
+        if self.lora is not None:
+            self.lora.compile()
+
+    @mirrored
+    def _dev_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.kv = self._copy(self.kv, src, dst)
+
+    @mirrored
+    def _dev_step(self, b: Bucket, batch: StepBatch) -> tuple[Any, Any]:
+        self.kv, logits, hidden = self._program(b)(self.params, self.kv, batch,
+                                                   self.attention.state, self._lora_arrays)
+        self._last = (logits, hidden)
+        return self._last
+
+    @mirrored
+    def _dev_sample(self, kind: str, rows: int, args: tuple):
+        return self._sampler(kind, rows)(self._last[0], *args)
+
+    @mirrored
+    def _dev_score(self, targets: np.ndarray):
+        return self._scorer.run(self.params, self._last[1], targets)
 
     def _dummy(self, b: Bucket) -> StepLayout:
         return dummy_layout(b, block_q=self.block_q, pages_per_seq=self.pool.pages_per_seq,
@@ -442,7 +526,17 @@ class ModelRunner:
                                                           rows).compile()
 
     # --------------------------------------------------------------------------- a step
+    @property
+    def lost(self) -> str | None:
+        """Why this multi-host replica can never step again (None: it can)."""
+        return None if self.mirror is None else self.mirror.lost
+
     def step(self, plan: StepPlan, *, return_logits: bool = False) -> StepResult:
+        if self.mirror is not None:  # a collective whose peer is gone may never return
+            return self.mirror.watch(self._step, plan, return_logits)
+        return self._step(plan, return_logits)
+
+    def _step(self, plan: StepPlan, return_logits: bool) -> StepResult:
         with self._lock:
             t0 = time.perf_counter()
             if plan.copies:
@@ -463,12 +557,12 @@ class ModelRunner:
                           n_samples=self._sample_rows(bucket))
             batch = self._batch(layout, plan.copies)
             t_pack = time.perf_counter()
-            self.kv, logits, hidden = self._steps[bucket](
-                self.params, self.kv, batch, self.attention.state,
-                self._lora_arrays)
-            sampled, failed = self._sample(layout.samples, logits, self._sample_rows(bucket))
-            scores = (self._scorer.score(self.params, layout.scored, hidden, sum(bucket))
-                      if layout.scored else {})
+            logits, _ = self._dev_step(bucket, batch)
+            sampled, failed = self._sample(layout.samples, self._sample_rows(bucket))
+            scores = {}
+            if layout.scored:
+                targets = self._scorer.targets(layout.scored, sum(bucket))
+                scores = self._scorer.unpack(layout.scored, self._dev_score(targets))
             if not layout.samples:
                 # Nothing sampled, so nothing waited for the step: wait here. Otherwise
                 # the engine would dispatch a long prompt's chunks back to back without
@@ -500,9 +594,9 @@ class ModelRunner:
             part[:, :len(copies[i:i + _COPY_BUCKET])] = np.asarray(
                 copies[i:i + _COPY_BUCKET], np.int32).T
             src, dst = ((layers + p[None, :]).reshape(-1) for p in part)
-            self.kv = self._copy(self.kv, src, dst)
+            self._dev_copy(src, dst)
 
-    def _sample(self, samples: list[SeqChunk], logits,
+    def _sample(self, samples: list[SeqChunk],
                 rows: int) -> tuple[dict[int, SampledToken], dict[int, str]]:
         if not samples:
             return {}, {}
@@ -513,6 +607,6 @@ class ModelRunner:
             kind = "greedy"
         else:
             kind = "full"
-        packed = self._samplers[(kind, rows)](logits, *self._sampling_args(kind, rows, samples))
+        packed = self._dev_sample(kind, rows, self._sampling_args(kind, rows, samples))
         # The one device-to-host copy of the step.
         return sampling.unpack(np.asarray(packed), samples)

@@ -33,17 +33,28 @@ class PromptScorer:
 
         self._fn = jax.jit(score)
 
-    def score(self, params: dict, scored: list[tuple[SeqChunk, int]], hidden,
-              rows: int) -> dict[int, list]:
-        """seq_id -> per token of each scored chunk (`StepLayout.scored`: the chunk and
-        the flat row it starts at), its target's SampledToken or None (no target).
-        `hidden`: the step's last-layer output over its `rows` token rows."""
+    # Three parts, so that the runner can mirror the device one (model/multihost.py):
+    # targets -> run -> unpack gives seq_id -> per token of each scored chunk
+    # (`StepLayout.scored`: the chunk and the flat row it starts at), its target's
+    # SampledToken or None (no target).
+    @staticmethod
+    def targets(scored: list[tuple[SeqChunk, int]], rows: int) -> np.ndarray:
+        """Each of the step's `rows` token rows' target id (-1: not scored)."""
         targets = np.full(rows, -1, np.int32)
         for c, at in scored:
             targets[at:at + len(c.score_targets)] = c.score_targets
+        return targets
+
+    def run(self, params: dict, hidden, targets: np.ndarray):
+        """The device part: the lm_head over `hidden` (the step's last-layer output),
+        the log-softmax, each target's logprob and the top ones."""
         head = {k: params[k] for k in ("final_norm", "embed", "lm_head", "head_int8")
                 if k in params}
-        target_lp, top_ids, top_lp = (np.asarray(a) for a in self._fn(head, hidden, targets))
+        return self._fn(head, hidden, targets)
+
+    @staticmethod
+    def unpack(scored: list[tuple[SeqChunk, int]], arrays) -> dict[int, list]:
+        target_lp, top_ids, top_lp = (np.asarray(a) for a in arrays)
         out = {}
         for c, at in scored:
             k = min(c.score_top, TOP_LOGPROBS)

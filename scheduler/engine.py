@@ -31,7 +31,8 @@ Failures are contained to the requests they touch (docs/reliability.md):
 - an exception from `runner.step` fails the requests in that step with an ErrorEvent and
   the loop goes on; `max_consecutive_failures` in a row mean the runner is broken, so the
   engine marks itself dead (`alive == False`, `death` says why), fails everything, and
-  `run()` returns. `submit` then raises `EngineDead`;
+  `run()` returns. `submit` then raises `EngineDead`. `RunnerLost` (a multi-host
+  replica's process is gone; also polled while idle) kills it at once;
 - a row the runner reports in `StepResult.failed` (non-finite logits) ends that request
   alone with an ErrorEvent; the step's other rows are committed as usual;
 - an exception while turning one sequence's token into output (its detokenizer, stop
@@ -59,12 +60,13 @@ from .admission import Admission
 from .api import EngineDead, EngineStats, ErrorEvent, GenerateRequest, RequestHandle
 from .output import OutputStream
 from .policy import Batch, Scheduler
-from .protocol import Detokenizer, Runner
+from .protocol import Detokenizer, Runner, RunnerLost
 from .request import Phase, Sequence
 from .step_log import StepLog, StepRecord
 
 EVENT_BUFFER = 16  # events per request channel; more than that are coalesced
 _IDLE_POLL_S = 0.01  # while undelivered events wait for a slow client and nothing runs
+_LOST_POLL_S = 0.5  # how often an idle engine asks a runner that can be lost (multi-host)
 
 
 class Engine:
@@ -211,6 +213,9 @@ class Engine:
         task_status.started()
         try:
             while self._alive:
+                if lost := getattr(self.runner, "lost", None):
+                    self._die(f"engine {self.name!r} is dead: {lost}")
+                    break
                 if self._iter_from is None:
                     self._iter_from = self.clock()
                 self._seed_costs()
@@ -239,6 +244,8 @@ class Engine:
             timeout = max(0.0, deadline - self.clock())
         if self._undelivered:
             timeout = min(timeout, _IDLE_POLL_S)
+        if hasattr(self.runner, "lost"):
+            timeout = min(timeout, _LOST_POLL_S)
         with trio.move_on_after(timeout):
             await self._wakeup.wait()
 
@@ -254,6 +261,8 @@ class Engine:
         except Exception as exc:  # the runner failed this step
             self._step_ends_at = None
             self._step_failed(batch, exc, t0)
+            if isinstance(exc, RunnerLost) and self._alive:
+                self._die(f"engine {self.name!r} is dead: {exc}")
             return
         finally:  # also on Cancelled, which only arrives after the thread is done
             self._step_ends_at = None

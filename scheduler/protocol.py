@@ -145,8 +145,15 @@ class StepLimits:
     block_q: int = 1
 
 
+class RunnerLost(RuntimeError):
+    """The runner can never step again: a process of its multi-host replica is gone
+    (model/multihost.py). The engine dies at once instead of counting failed steps."""
+
+
 class Runner(Protocol):
-    """What the scheduler needs from a model runner."""
+    """What the scheduler needs from a model runner. A runner that can be lost between
+    steps (a multi-host replica) also has `lost: str | None` (why; None while whole),
+    which the engine polls while idle."""
 
     page_size: int
     num_pages: int  # including the null page 0
