@@ -97,6 +97,23 @@ void row_head(const Args& a, int64_t r, int64_t h) {
       vp[i] = a.v + at + i * row_stride;
     }
 #ifdef __AVX512F__
+    {  // the next chunk's keys and values on their way while this one is computed
+      const int64_t t1 = t0 + n;
+      if (t1 < end) {
+        const int64_t pj = t1 / a.ps, offj = t1 - pj * a.ps;
+        const int64_t nj = std::min<int64_t>(std::min<int64_t>(kChunk, end - t1), a.ps - offj);
+        const int64_t pagej = std::min<int64_t>(std::max<int32_t>(table[pj], 0),
+                                                a.pages - 1 - a.offset) + a.offset;
+        const int64_t atj = ((pagej * a.ps + offj) * a.kvh + h) * d;
+        for (int64_t i = 0; i < nj; ++i)
+          for (int64_t c = 0; c < d; c += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(a.k + atj + i * row_stride + c),
+                         _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(a.v + atj + i * row_stride + c),
+                         _MM_HINT_T0);
+          }
+      }
+    }
     for (int i = 0; i < n; ++i) {  // scores: q . k for every head of the group
       __m512 dot[kMaxG];
       for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
