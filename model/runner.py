@@ -427,15 +427,20 @@ class ModelRunner:
 
         threading.Thread(target=run, name="sluice-precompile", daemon=True).start()
 
+    def _compiled(self, table: dict, key: Any, make: Callable[[], Callable]) -> Callable:
+        """`table[key]`, compiled by `make()` first if it is not there yet (once, whichever
+        thread asks first)."""
+        fn = table.get(key)
+        if fn is None:
+            with self._compile_lock:
+                fn = table.get(key)
+                if fn is None:
+                    fn = table[key] = make()
+        return fn
+
     def _program(self, b: Bucket) -> Callable:
         """Bucket `b`'s compiled step (compiled now if it is not yet)."""
-        step = self._steps.get(b)
-        if step is None:
-            with self._compile_lock:
-                step = self._steps.get(b)
-                if step is None:
-                    step = self._steps[b] = self._compile_step(b)
-        return step
+        return self._compiled(self._steps, b, lambda: self._compile_step(b))
 
     def _compile_step(self, b: Bucket) -> Callable:
         spec = self._spec
@@ -451,13 +456,8 @@ class ModelRunner:
             spec(self.params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
 
     def _sampler(self, kind: str, rows: int) -> Callable:
-        fn = self._samplers.get((kind, rows))
-        if fn is None:
-            with self._compile_lock:
-                fn = self._samplers.get((kind, rows))
-                if fn is None:
-                    fn = self._samplers[(kind, rows)] = self._compile_sampler(kind, rows)
-        return fn
+        return self._compiled(self._samplers, (kind, rows),
+                              lambda: self._compile_sampler(kind, rows))
 
     # ----------------------------------------------------------------- device calls
     # Every device program the runner launches goes through one of these, with host
