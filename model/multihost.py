@@ -91,10 +91,6 @@ def active() -> bool:
     return _state.num_processes > 1
 
 
-def process_id() -> int:
-    return _state.process_id
-
-
 def num_processes() -> int:
     return _state.num_processes
 
