@@ -4,7 +4,8 @@ The embedded model's shapes with random weights: the four projections of 30 laye
 (q/k/v 960 x 576, attention output 576 x 576, gate/up 3072 x 576, down 576 x 1536), each
 layer's weight passed whole as the step does, and the tied lm_head (49,152 x 576), at 1
 to 272 token rows (272: a decode of 16 beside a 256-token prompt chunk), feature-major
-as the CPU runner multiplies. Median of 7, ms. Prints one JSON line.
+as the CPU runner multiplies. Median of 7, ms. Where the kernel uses AMX, the same
+source built without it (`int8_avx512`) runs beside it. Prints one JSON line.
 
     .venv/bin/python benchmarks/int8_matmul.py [--rows 1,4,16,64,272]
 """
@@ -12,6 +13,7 @@ as the CPU runner multiplies. Median of 7, ms. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from model.bench import median_time
 from model.quant import quantize_int8
+from pallas_kernels import native
 from pallas_kernels.native import available, q8_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -45,13 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     head = rng.standard_normal((1, 49152, 576)).astype(np.float32) * 0.02
     head_f32, head_i8 = jnp.asarray(head[0]), quantize_int8(head)
 
-    def layers(use_int8):
+    targets = {"int8": native.TARGET}
+    if what == "amx":
+        lib = ctypes.cdll.LoadLibrary(str(native.build(
+            native.FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"))))
+        jax.ffi.register_ffi_target("q8_avx512", jax.ffi.pycapsule(lib.SluiceQ8Linear),
+                                    platform="cpu")
+        targets["int8_avx512"] = "q8_avx512"
+
+    def layers(target):
         def run(x):
             def body(acc, i):
                 for k, (_, n_in) in SHAPES.items():
-                    if use_int8:
+                    if target:
                         m = i8[k]
-                        y = q8_linear(x[:n_in], m.q, m.scale, i, feature_major=True)
+                        y = q8_linear(x[:n_in], m.q, m.scale, i, feature_major=True,
+                                      target=target)
                     else:
                         y = f32[k][i] @ x[:n_in]
                     acc = acc + y[0, 0]
@@ -59,12 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             return jax.lax.scan(body, jnp.float32(0), jnp.arange(30))[0]
         return jax.jit(run)
 
-    heads = {
-        "f32": jax.jit(lambda x: (head_f32 @ x[:576])[0, 0]),
-        "int8": jax.jit(lambda x: q8_linear(x[:576], head_i8.q, head_i8.scale, 0,
-                                            feature_major=True)[0, 0]),
-    }
-    runs = {"f32": layers(False), "int8": layers(True)}
+    heads = {"f32": jax.jit(lambda x: (head_f32 @ x[:576])[0, 0])}
+    for name, target in targets.items():
+        heads[name] = jax.jit(lambda x, t=target: q8_linear(
+            x[:576], head_i8.q, head_i8.scale, 0, feature_major=True, target=t)[0, 0])
+    runs = {"f32": layers(None), **{name: layers(t) for name, t in targets.items()}}
     out = []
     for rows in map(int, args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((1536, rows)).astype(np.float32))

@@ -10,8 +10,8 @@ in bf16 dot products, so a decode step reads 134 MB of weights instead of 538 MB
 How. A weight matrix (out, in) is cut into blocks of 32 input values; each block keeps
 one f32 scale (absmax / 127) and 32 int8 values, as llama.cpp's Q8_0 does. Stored as
 `Int8Matrix`: uint8 values (q + 128) [layers, out, in] and scales [layers, out, in / 32],
-both "packed" (columns in groups of 4, block by block) so the kernel streams them in
-order. The activations are not quantized, only rounded to bf16 in the kernel. Accuracy
+both "packed" (columns in groups of 16, block by block; `out` rounded up to 16 with zero
+columns) so the kernel streams them in order and a group's block is one AMX tile. The activations are not quantized, only rounded to bf16 in the kernel. Accuracy
 against the f32 path: `benchmarks/int8_accuracy.py` (docs/benchmarks.md). Embeddings
 (the token lookup), norms and LoRA deltas stay f32.
 """
@@ -25,7 +25,7 @@ from flax import struct
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 BLOCK = 32  # input values per scale
-GROUP = 4  # output columns packed together
+GROUP = 16  # output columns packed together
 
 
 @struct.dataclass
@@ -34,9 +34,14 @@ class Int8Matrix:
     is the one a use multiplies by (set per layer inside the model's scan, so the stacked
     arrays are passed whole and never sliced)."""
 
-    q: jax.Array  # uint8 [layers, out, in]
-    scale: jax.Array  # f32 [layers, out, in / BLOCK]
+    q: jax.Array  # uint8 [layers, out rounded up to GROUP, in]
+    scale: jax.Array  # f32 [layers, out rounded up to GROUP, in / BLOCK]
     layer: jax.Array = struct.field(default_factory=lambda: np.zeros((), np.int32))
+    out: int = struct.field(pytree_node=False, default=0)  # columns (0: q's)
+
+    @property
+    def n(self) -> int:
+        return self.out or self.q.shape[1]
 
     def at_layer(self, i) -> "Int8Matrix":
         return self.replace(layer=i)
@@ -47,24 +52,26 @@ class Int8Matrix:
 
 
 def quantize_int8(w: np.ndarray) -> Int8Matrix:
-    """Int8Matrix of f32 matrices `w` [layers, out, in] (out a multiple of 4, in of 32).
+    """Int8Matrix of f32 matrices `w` [layers, out, in] (in a multiple of 32).
     Computed by XLA in one fused pass (numpy's six passes over the model took ~3 s of
     every start-up, and their temporaries 0.3 GB of peak memory)."""
     n_l, n, k = np.shape(w)
-    if n % GROUP or k % BLOCK:
-        raise ValueError(f"int8 weights need out % {GROUP} == 0 and in % {BLOCK} == 0, "
-                         f"not {(n, k)}")
-    return Int8Matrix(*_quantize(jnp.asarray(w, jnp.float32)))
+    if k % BLOCK:
+        raise ValueError(f"int8 weights need in % {BLOCK} == 0, not {(n, k)}")
+    return Int8Matrix(*_quantize(jnp.asarray(w, jnp.float32)), out=n)
 
 
 @jax.jit
 def _quantize(w):
     n_l, n, k = w.shape
+    if n % GROUP:
+        w = jnp.pad(w, ((0, 0), (0, GROUP - n % GROUP), (0, 0)))
+        n = w.shape[1]
     blocks = w.reshape(n_l, n, k // BLOCK, BLOCK)
     scale = jnp.max(jnp.abs(blocks), axis=-1) / 127.0
     inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
     u = (jnp.clip(jnp.round(blocks * inv[..., None]), -127, 127) + 128).astype(jnp.uint8)
-    # Packed: [layers, out / 4, in / 32, 4, 32] and [layers, out / 4, in / 32, 4].
+    # Packed: [layers, out / 16, in / 32, 16, 32] and [layers, out / 16, in / 32, 16].
     u = u.reshape(n_l, n // GROUP, GROUP, k // BLOCK, BLOCK).swapaxes(2, 3)
     s = scale.reshape(n_l, n // GROUP, GROUP, k // BLOCK).swapaxes(2, 3)
     return u.reshape(n_l, n, k), s.reshape(n_l, n, k // BLOCK)
@@ -77,7 +84,7 @@ def dequantize_int8(m: Int8Matrix) -> np.ndarray:
     u = q.reshape(n_l, n // GROUP, k // BLOCK, GROUP, BLOCK).swapaxes(2, 3)
     s = s.reshape(n_l, n // GROUP, k // BLOCK, GROUP).swapaxes(2, 3)
     w = (u.astype(np.float32) - 128.0) * s[..., None]
-    return w.reshape(n_l, n, k)
+    return w.reshape(n_l, n, k)[:, :m.n]
 
 
 def linear(x, w, *, feature_major: bool):
@@ -87,7 +94,8 @@ def linear(x, w, *, feature_major: bool):
         return w @ x if feature_major else x @ w
     from pallas_kernels.native import q8_linear
 
-    return q8_linear(x, w.q, w.scale, w.layer, feature_major=feature_major).astype(x.dtype)
+    return q8_linear(x, w.q, w.scale, w.layer, feature_major=feature_major,
+                     n=w.n).astype(x.dtype)
 
 
 def quantized_bytes(params: dict) -> int:

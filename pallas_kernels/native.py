@@ -112,22 +112,25 @@ def load() -> ctypes.CDLL:
 
 @functools.cache
 def available() -> tuple[bool, str]:
-    """(True, "avx512" | "portable") once loaded, else (False, why not); asked once per
-    process (a failing build is not retried by every runner and backend)."""
+    """(True, "amx" | "avx512" | "portable") once loaded, else (False, why not); asked
+    once per process (a failing build is not retried by every runner and backend)."""
     try:
         lib = load()
     except (NativeUnavailable, OSError) as e:
         return False, str(e)
-    return True, "avx512" if lib.sluice_q8_avx512() else "portable"
+    return True, ("amx" if lib.sluice_q8_amx() else
+                  "avx512" if lib.sluice_q8_avx512() else "portable")
 
 
-def q8_linear(x, q, scale, layer, *, feature_major: bool, target: str = TARGET):
+def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,
+              target: str = TARGET):
     """x times layer `layer` of the packed int8 weights (`model/quant.py`, Int8Matrix):
-    x [K, T] -> [N, T] if `feature_major`, else [T, K] -> [T, N]; f32. (`target`: another
-    registered build of the same kernel, for tests.)"""
+    x [K, T] -> [N, T] if `feature_major`, else [T, K] -> [T, N]; f32. `n`: the matrix's
+    columns, when fewer than the packed ones. (`target`: another registered build of
+    the same kernel, for tests.)"""
     if target == TARGET:
         load()
-    n = q.shape[1]
+    n = n or q.shape[1]
     t = x.shape[1] if feature_major else x.shape[0]
     out = jax.ShapeDtypeStruct((n, t) if feature_major else (t, n), jnp.float32)
     return jax.ffi.ffi_call(target, out)(

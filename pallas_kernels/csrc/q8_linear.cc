@@ -12,20 +12,35 @@
 // int8 dots cost as much here, each block being rescaled in f32 per row, and was less
 // accurate (docs/benchmarks.md, "int8 weights").
 //
+// Where the CPU has AMX (Intel since Sapphire Rapids; built with -march=native, so the
+// compiler says), every row count goes through the tile unit instead: each block of a
+// 16-column group is dequantized into a 16 x 32 bf16 tile and multiplied with the
+// activations, 16 rows at a time, by TDPBF16PS (16 x 16 x 32 products an instruction)
+// while the vector unit dequantizes the next block. The dequantization, once per weight
+// whatever the row count, is then most of the work: 16 rows cost about what one does
+// (2-core Sapphire Rapids, 30 layers of the embedded model: 11 ms at 1 row, 15 at 16,
+// 89 at 272, against 15 / 28 / 369 for the AVX-512 path; docs/benchmarks.md). The OS
+// must grant the tile state (arch_prctl); where it does not, the AVX-512 path runs. A
+// row's result does not depend on the other rows of its call in either path (each sums
+// its blocks in one order).
+//
 // Layouts:
-//   w     uint8 [L, N, K]: weight (out n, in k) of layer l, stored as q + 128, q in
-//         [-127, 127], packed: columns in groups of 4, a group's blocks in order
-//         [K/32][4][32] (block b of its 4 columns side by side), so that a tile of 4
-//         columns reads its weights as one sequential stream;
-//   ws    f32   [L, N, K/32]: the scale of each 32-value block, packed the same way
-//         ([N/4][K/32][4]);
+//   w     uint8 [L, Np, K]: weight (out n, in k) of layer l, stored as q + 128, q in
+//         [-127, 127], packed: columns in groups of 16, a group's blocks in order
+//         [K/32][16][32] (block b of its 16 columns side by side), so that a group reads
+//         its weights as one sequential stream; Np is N rounded up to 16 (zero columns);
+//   ws    f32   [L, Np, K/32]: the scale of each 32-value block, packed the same way
+//         ([Np/16][K/32][16]);
 //   x     f32   [K, T] (feature_major) or [T, K];
 //   layer int32 []: which of the L layers;
 //   out   f32   [N, T] (feature_major) or [T, N].
-// K must be a multiple of 32 and N of 4. Work is split over XLA's intra-op thread pool by column
+// K must be a multiple of 32. Work is split over XLA's intra-op thread pool by column
 // ranges; the calling thread works too and waits for the rest.
 
 #include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -40,7 +55,12 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 32;  // values per scale
-constexpr int64_t kGroup = 4;   // columns packed together
+constexpr int64_t kGroup = 16;  // columns packed together
+constexpr int64_t kSub = 4;     // columns of a register tile (AVX-512 paths)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SLUICE_AMX 1
+#endif
 
 
 // float -> bf16 bits, rounding to nearest even (as the AVX-512 conversion does), and back.
@@ -59,7 +79,10 @@ inline float bf16_value(uint16_t h) {
 struct Out {
   float* p;
   int64_t sm, sn;  // strides of a row m and a column n
-  void set(int64_t m, int64_t n, float v) const { p[m * sm + n * sn] = v; }
+  int64_t n;       // columns (the packed weights may have up to 15 more, all zero)
+  void set(int64_t m, int64_t c, float v) const {
+    if (c < n) p[m * sm + c * sn] = v;
+  }
 };
 
 #ifdef __AVX512F__
@@ -119,43 +142,34 @@ void rows(const uint8_t* wg, const float* sg, int j0, const uint16_t* x, int64_t
 // 4.5 KB for K = 576: it stays in L1), then every row tile reads them from there: the
 // dequantization (7 vector operations a block and column) is not repeated per tile.
 template <int MT>
-inline void tile_dequantized(const uint16_t* wb, const uint16_t* x, int64_t k, int64_t m0,
-                             int64_t n0, const Out& out) {
+inline void tile_dequantized(const uint16_t* wb, int j0, const uint16_t* x, int64_t k,
+                             int64_t m0, int64_t n0, const Out& out) {
   const int64_t kb = k / kBlock;
-  __m512 acc[MT][kGroup];
+  __m512 acc[MT][kSub];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < kGroup; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kSub; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
-    __m512bh wv[kGroup];
-    for (int j = 0; j < kGroup; ++j)
-      wv[j] = (__m512bh)_mm512_loadu_si512(wb + (b * kGroup + j) * kBlock);
+    __m512bh wv[kSub];
+    for (int j = 0; j < kSub; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(wb + (b * kGroup + j0 + j) * kBlock);
     for (int i = 0; i < MT; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * k + b * kBlock);
-      for (int j = 0; j < kGroup; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+      for (int j = 0; j < kSub; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < kGroup; ++j) out.set(m0 + i, n0 + j, _mm512_reduce_add_ps(acc[i][j]));
+    for (int j = 0; j < kSub; ++j)
+      out.set(m0 + i, n0 + j0 + j, _mm512_reduce_add_ps(acc[i][j]));
 }
 
 constexpr int64_t kDequantizeOnceRows = 8;  // from this many rows on (measured, 2-core Zen 4)
 
-void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int64_t t,
-           int64_t n0, const Out& out) {
-  if (t <= 4) {  // registers: t x 4 accumulators + 4 weight vectors
-    rows<4>(wg, sg, 0, x, k, t, n0, out);
-    return;
-  }
-  if (t < kDequantizeOnceRows) {  // 8 x 2 accumulators + 2 weight vectors, two halves
-    rows<2>(wg, sg, 0, x, k, t, n0, out);
-    rows<2>(wg, sg, 2, x, k, t, n0, out);
-    return;
-  }
-  thread_local std::vector<uint16_t> wb;
-  const int64_t kb = k / kBlock;
-  wb.resize(kb * kGroup * kBlock);
+// The group's blocks dequantized to bf16 into wb ([K/32][16][32]: block b of column j at
+// (b * 16 + j) * 32), the layout both the register tiles and AMX's weight tiles read.
+void dequantize_blocks(const uint8_t* wg, const float* sg, int64_t b0, int64_t b1,
+                       uint16_t* wb) {
   const __m512 minus128 = _mm512_set1_ps(-128.f);
-  for (int64_t i = 0; i < kb * kGroup; ++i) {  // block b, column j: i = b * 4 + j
+  for (int64_t i = b0 * kGroup; i < b1 * kGroup; ++i) {  // block b, column j: i = b * 16 + j
     const __m512 s = _mm512_set1_ps(sg[i]);
     const __m512 bias = _mm512_mul_ps(s, minus128);
     const uint8_t* wr = wg + i * kBlock;
@@ -163,19 +177,158 @@ void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int
     const __m128i u1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 16));
     const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u0)), s, bias);
     const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u1)), s, bias);
-    _mm512_storeu_si512(wb.data() + i * kBlock, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-  int64_t m = 0;  // 6 x 4 accumulators + 4 weight vectors + 1 row
-  for (; m + 6 <= t; m += 6) tile_dequantized<6>(wb.data(), x, k, m, n0, out);
-  switch (t - m) {
-    case 5: tile_dequantized<5>(wb.data(), x, k, m, n0, out); break;
-    case 4: tile_dequantized<4>(wb.data(), x, k, m, n0, out); break;
-    case 3: tile_dequantized<3>(wb.data(), x, k, m, n0, out); break;
-    case 2: tile_dequantized<2>(wb.data(), x, k, m, n0, out); break;
-    case 1: tile_dequantized<1>(wb.data(), x, k, m, n0, out); break;
-    default: break;
+    _mm512_storeu_si512(wb + i * kBlock, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
+
+void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int64_t t,
+           int64_t n0, const Out& out) {
+  if (t <= 4) {  // registers: t x 4 accumulators + 4 weight vectors
+    for (int j0 = 0; j0 < kGroup; j0 += 4) rows<4>(wg, sg, j0, x, k, t, n0, out);
+    return;
+  }
+  if (t < kDequantizeOnceRows) {  // 8 x 2 accumulators + 2 weight vectors
+    for (int j0 = 0; j0 < kGroup; j0 += 2) rows<2>(wg, sg, j0, x, k, t, n0, out);
+    return;
+  }
+  thread_local std::vector<uint16_t> wb;
+  const int64_t kb = k / kBlock;
+  wb.resize(kb * kGroup * kBlock);
+  dequantize_blocks(wg, sg, 0, kb, wb.data());
+  for (int j0 = 0; j0 < kGroup; j0 += kSub) {
+    int64_t m = 0;  // 6 x 4 accumulators + 4 weight vectors + 1 row
+    for (; m + 6 <= t; m += 6) tile_dequantized<6>(wb.data(), j0, x, k, m, n0, out);
+    switch (t - m) {
+      case 5: tile_dequantized<5>(wb.data(), j0, x, k, m, n0, out); break;
+      case 4: tile_dequantized<4>(wb.data(), j0, x, k, m, n0, out); break;
+      case 3: tile_dequantized<3>(wb.data(), j0, x, k, m, n0, out); break;
+      case 2: tile_dequantized<2>(wb.data(), j0, x, k, m, n0, out); break;
+      case 1: tile_dequantized<1>(wb.data(), j0, x, k, m, n0, out); break;
+      default: break;
+    }
+  }
+}
+
+#ifdef SLUICE_AMX
+// AMX. Tiles 0-3 accumulate C [16 columns][16 rows] f32 for up to 4 row tiles, tile 4
+// holds a block of the weights (A: 16 columns x 32 k, bf16) and tiles 5-7 the
+// activations' block (B: 16 pairs of k x 16 rows x 2, bf16, "VNNI" order).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The OS grants a process the tile state on request (Linux >= 5.16); once.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+void tiles_on() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The activations as B tiles: xv[((mt * K/32 + b) * 16 + r) * 32 + m * 2 + i] is
+// x[row 16 mt + m][k = 32 b + 2 r + i] as bf16, rows past t zero.
+void to_vnni(const float* x, bool fm, int64_t t, int64_t k, int64_t mtiles, uint16_t* xv) {
+  const int64_t kb = k / kBlock;
+  std::memset(xv, 0, mtiles * kb * 512 * sizeof(uint16_t));
+  for (int64_t m = 0; m < t; ++m) {
+    uint16_t* tile = xv + (m / 16) * kb * 512 + (m % 16) * 2;
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = fm ? x[i * t + m] : x[m * k + i];
+      tile[(i / kBlock) * 512 + ((i % kBlock) / 2) * 32 + (i % 2)] = bf16_bits(v);
+    }
+  }
+}
+
+// A C tile (columns n0.., rows 16 mt..) goes straight into out where it is whole and out
+// is feature-major, else through a buffer (`copy_tile`). The tile's number must be a
+// literal for the intrinsic, hence the macro.
+inline bool whole(int64_t mt, int64_t t, int64_t n0, const Out& out) {
+  return out.sm == 1 && mt * 16 + 16 <= t && n0 + 16 <= out.n;
+}
+
+inline void copy_tile(const float* c, int64_t mt, int64_t t, int64_t n0, const Out& out) {
+  const int64_t m0 = mt * 16, mm = std::min<int64_t>(16, t - m0);
+  const int64_t nn = std::min<int64_t>(16, out.n - n0);
+  for (int64_t n = 0; n < nn; ++n)
+    for (int64_t m = 0; m < mm; ++m) out.p[(m0 + m) * out.sm + (n0 + n) * out.sn] = c[n * 16 + m];
+}
+
+#define SLUICE_EMIT(TILE, mt)                                                        \
+  do {                                                                               \
+    if (whole(mt, t, n0, out)) {                                                     \
+      _tile_stored(TILE, out.p + n0 * out.sn + (mt) * 16, out.sn * sizeof(float));   \
+    } else {                                                                         \
+      alignas(64) float c[16 * 16];                                                  \
+      _tile_stored(TILE, c, 64);                                                     \
+      copy_tile(c, mt, t, n0, out);                                                  \
+    }                                                                                \
+  } while (0)
+
+// Row tiles mt0.. (up to 4) of one group. The first pass over a group dequantizes each
+// block just before its products (wg, sg given), so the tile unit multiplies one block
+// while the vector unit dequantizes the next; later passes read wb as it is.
+template <int NT>
+void amx_tiles(const uint8_t* wg, const float* sg, uint16_t* wb, const uint16_t* xv,
+               int64_t kb, int64_t mt0, int64_t t, int64_t n0, const Out& out) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  const uint16_t* x0 = xv + mt0 * kb * 512;
+  for (int64_t b = 0; b < kb; ++b) {
+    if (wg != nullptr) dequantize_blocks(wg, sg, b, b + 1, wb);
+    _tile_loadd(4, wb + b * 512, 64);
+    _tile_loadd(5, x0 + b * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NT > 1) {
+      _tile_loadd(6, x0 + (kb + b) * 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(7, x0 + (2 * kb + b) * 512, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(5, x0 + (3 * kb + b) * 512, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  SLUICE_EMIT(0, mt0);
+  if constexpr (NT > 1) SLUICE_EMIT(1, mt0 + 1);
+  if constexpr (NT > 2) SLUICE_EMIT(2, mt0 + 2);
+  if constexpr (NT > 3) SLUICE_EMIT(3, mt0 + 3);
+}
+
+void group_amx(const uint8_t* wg, const float* sg, const uint16_t* xv, int64_t k, int64_t t,
+               int64_t n0, const Out& out) {
+  thread_local std::vector<uint16_t> wb;
+  const int64_t kb = k / kBlock, mtiles = (t + 15) / 16;
+  wb.resize(kb * kGroup * kBlock);
+  for (int64_t mt = 0; mt < mtiles; mt += 4) {
+    const uint8_t* w = mt == 0 ? wg : nullptr;
+    switch (std::min<int64_t>(4, mtiles - mt)) {
+      case 4: amx_tiles<4>(w, sg, wb.data(), xv, kb, mt, t, n0, out); break;
+      case 3: amx_tiles<3>(w, sg, wb.data(), xv, kb, mt, t, n0, out); break;
+      case 2: amx_tiles<2>(w, sg, wb.data(), xv, kb, mt, t, n0, out); break;
+      default: amx_tiles<1>(w, sg, wb.data(), xv, kb, mt, t, n0, out); break;
+    }
+  }
+}
+#endif  // SLUICE_AMX
 
 void to_bf16(const float* src, int64_t count, uint16_t* dst) {
   int64_t i = 0;
@@ -213,16 +366,37 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3)
     return ffi::Error::InvalidArgument("sluice_q8_linear: x must be 2-D, w and ws 3-D");
   const bool fm = feature_major != 0;
-  const int64_t nl = wd[0], n = wd[1], k = wd[2];
-  const int64_t t = fm ? xd[1] : xd[0];
-  if ((fm ? xd[0] : xd[1]) != k || k % kBlock || n % kGroup || sd[0] != nl || sd[1] != n ||
-      sd[2] != k / kBlock)
+  const auto od = out->dimensions();
+  const int64_t nl = wd[0], np = wd[1], k = wd[2];
+  const int64_t t = fm ? xd[1] : xd[0], n = fm ? od[0] : od[1];
+  if ((fm ? xd[0] : xd[1]) != k || k % kBlock || np % kGroup || n > np || np - n >= kGroup ||
+      sd[0] != nl || sd[1] != np || sd[2] != k / kBlock)
     return ffi::Error::InvalidArgument("sluice_q8_linear: shapes do not agree");
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= nl) return ffi::Error::InvalidArgument("sluice_q8_linear: bad layer");
   if (t == 0) return ffi::Error::Success();
-  const uint8_t* wl = w.typed_data() + l * n * k;
-  const float* sl = ws.typed_data() + l * n * (k / kBlock);
+  const uint8_t* wl = w.typed_data() + l * np * k;
+  const float* sl = ws.typed_data() + l * np * (k / kBlock);
+  const Out o{out->typed_data(), fm ? 1 : n, fm ? t : 1, n};
+  constexpr int64_t kGroups = 4;  // groups a work item: 64 columns
+  const int64_t groups = np / kGroup, items = (groups + kGroups - 1) / kGroups;
+#ifdef SLUICE_AMX
+  if (amx_permitted()) {
+    thread_local std::vector<uint16_t> xv;
+    const int64_t mtiles = (t + 15) / 16;
+    xv.resize(mtiles * (k / kBlock) * 512);
+    to_vnni(x.typed_data(), fm, t, k, mtiles, xv.data());
+    const uint16_t* xvp = xv.data();  // (in the lambda, `xv` would be the worker's own)
+    sluice::parallel_for(pool, items, [&](int64_t p) {
+      tiles_on();
+      for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
+        group_amx(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xvp, k, t,
+                  g * kGroup, o);
+      _tile_release();
+    });
+    return ffi::Error::Success();
+  }
+#endif
   // The activations as bf16 [T, K] (transposed from feature-major), in a buffer reused
   // across calls: no allocation in steady state.
   thread_local std::vector<float> transposed;
@@ -237,12 +411,9 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   xb.resize(t * k);
   to_bf16(xf, t * k, xb.data());
   const uint16_t* xt = xb.data();
-  const Out o{out->typed_data(), fm ? 1 : n, fm ? t : 1};
-  // Pieces of 16 groups (64 columns): enough to balance the threads, few enough that
-  // each streams a long run of weights.
-  constexpr int64_t kGroups = 16;
-  const int64_t groups = n / kGroup;
-  sluice::parallel_for(pool, (groups + kGroups - 1) / kGroups, [&](int64_t p) {
+  // Pieces of 64 columns: enough to balance the threads, few enough that each streams a
+  // long run of weights.
+  sluice::parallel_for(pool, items, [&](int64_t p) {
     for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
       group(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xt, k, t, g * kGroup, o);
   });
@@ -265,6 +436,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Linear, Q8LinearImpl,
 extern "C" int sluice_q8_avx512() {
 #ifdef __AVX512F__
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 when built with the AMX path and the OS grants the tile state, else 0.
+extern "C" int sluice_q8_amx() {
+#ifdef SLUICE_AMX
+  return amx_permitted() ? 1 : 0;
 #else
   return 0;
 #endif

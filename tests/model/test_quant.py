@@ -1,7 +1,7 @@
 """int8 weights (model/quant.py) and the CPU's native kernel (pallas_kernels/native.py):
-the kernel against its definition in numpy, for both layouts, every tile shape and the
-portable build; a row's result independent of its batch; the runner on a tiny random
-model against the f32 runner, holding no f32 projections."""
+the kernel against its definition in numpy, for both layouts, every tile shape and each
+build this CPU can run (AMX, AVX-512, portable); a row's result independent of its batch;
+the runner on a tiny random model against the f32 runner, holding no f32 projections."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _definition(x: np.ndarray, m: Int8Matrix, layer: int) -> np.ndarray:
 
 def _call(x, m, layer, fm, target=native.TARGET):
     xin = jnp.asarray(x.T if fm else x)
-    f = jax.jit(lambda x, q, s, i: native.q8_linear(x, q, s, i, feature_major=fm,
+    f = jax.jit(lambda x, q, s, i: native.q8_linear(x, q, s, i, feature_major=fm, n=m.n,
                                                     target=target))
     out = np.asarray(f(xin, m.q, m.scale, jnp.int32(layer)))
     return out.T if fm else out
@@ -46,47 +46,70 @@ def _call(x, m, layer, fm, target=native.TARGET):
 
 def test_quantize_packs_blocks_and_dequantizes_within_half_a_step():
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((2, 8, 96)).astype(np.float32)
+    w = rng.standard_normal((2, 24, 96)).astype(np.float32)
     w[1, 3, 32:64] = 0.0  # an all-zero block
-    m = quantize_int8(w)
-    assert m.q.dtype == jnp.uint8 and m.q.shape == (2, 8, 96) and m.scale.shape == (2, 8, 3)
+    m = quantize_int8(w)  # 24 columns packed as 32: two groups of 16, 8 of them zero
+    assert m.q.dtype == jnp.uint8 and m.q.shape == (2, 32, 96) and m.scale.shape == (2, 32, 3)
+    assert m.n == 24
     back = dequantize_int8(m)
-    step = np.abs(w).reshape(2, 8, 3, 32).max(-1, keepdims=True) / 127
-    assert (np.abs(back - w).reshape(2, 8, 3, 32) <= step / 2 + 1e-7).all()
+    assert back.shape == w.shape
+    step = np.abs(w).reshape(2, 24, 3, 32).max(-1, keepdims=True) / 127
+    assert (np.abs(back - w).reshape(2, 24, 3, 32) <= step / 2 + 1e-7).all()
     assert (back[1, 3, 32:64] == 0).all()
     with pytest.raises(ValueError, match="int8 weights need"):
-        quantize_int8(np.zeros((1, 6, 64), np.float32))
+        quantize_int8(np.zeros((1, 16, 40), np.float32))
 
 
+def _build(name: str, *flags: str) -> ctypes.CDLL:
+    """Another build of the kernel, registered as the FFI target `name`."""
+    lib = ctypes.cdll.LoadLibrary(str(native.build(
+        ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", *flags))))
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
+    return lib
+
+
+def _builds() -> list[str]:
+    """The kernel's paths this CPU runs: the default build, and where that one uses AMX,
+    the AVX-512 path built without it."""
+    out = [native.TARGET]
+    if native.available()[1] == "amx":
+        lib = _build("sluice_q8_linear_avx512", "-march=native", "-mno-amx-tile",
+                     "-mno-amx-bf16", "-mno-amx-int8")
+        assert lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx512() == 1
+        out.append("sluice_q8_linear_avx512")
+    return out
+
+
+@pytest.mark.parametrize("target", _builds())
 @pytest.mark.parametrize("feature_major", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 17])
-def test_kernel_is_its_definition_and_close_to_f32(feature_major, rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 17, 40, 70])
+def test_kernel_is_its_definition_and_close_to_f32(target, feature_major, rows):
     rng = np.random.default_rng(rows)
-    w = (rng.standard_normal((3, 40, 96)) * 0.05).astype(np.float32)  # 3 blocks: odd
+    # 3 blocks (odd); 40 columns: two groups of 16 and one padded to 16
+    w = (rng.standard_normal((3, 40, 96)) * 0.05).astype(np.float32)
     m = quantize_int8(w)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
-    got = _call(x, m, 2, feature_major)
+    got = _call(x, m, 2, feature_major, target)
     want = _definition(x, m, 2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     exact = x @ w[2].T
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # int8 is close
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("target", _builds())
+def test_a_rows_result_does_not_depend_on_its_batch(target):
     rng = np.random.default_rng(3)
     m = quantize_int8(rng.standard_normal((1, 64, 128)).astype(np.float32))
-    x = rng.standard_normal((11, 128)).astype(np.float32)
-    batch = _call(x, m, 0, True)
-    for i in (0, 4, 10):  # tiles of 4 columns for <= 4 rows, of 2 for more: same sums
-        np.testing.assert_array_equal(_call(x[i:i + 1], m, 0, True), batch[i:i + 1])
+    x = rng.standard_normal((37, 128)).astype(np.float32)
+    batch = _call(x, m, 0, True, target)
+    for i in (0, 4, 10, 36):  # register tiles, dequantized tiles, AMX tiles: same sums
+        np.testing.assert_array_equal(_call(x[i:i + 1], m, 0, True, target),
+                                      batch[i:i + 1])
 
 
 def test_the_portable_build_computes_the_same():
-    lib = ctypes.cdll.LoadLibrary(str(native.build(
-        ("-O2", "-std=c++17", "-shared", "-fPIC", "-march=x86-64", "-w"))))
-    assert lib.sluice_q8_avx512() == 0
-    jax.ffi.register_ffi_target("sluice_q8_linear_portable",
-                                jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
+    lib = _build("sluice_q8_linear_portable", "-march=x86-64")
+    assert lib.sluice_q8_avx512() == 0 and lib.sluice_q8_amx() == 0
     rng = np.random.default_rng(4)
     m = quantize_int8((rng.standard_normal((2, 12, 64)) * 0.1).astype(np.float32))
     x = rng.standard_normal((6, 64)).astype(np.float32)
