@@ -29,7 +29,12 @@ if [ -z "$SERVER" ]; then  # (a half-built tree from an interrupted run is rebui
   rm -rf "$SRC.tmp" && mkdir -p "$SRC.tmp"
   tar -xzf "$SDIST" -C "$SRC.tmp" --strip-components=3 "llama_cpp_python-$VER/vendor/llama.cpp"
   mv "$SRC.tmp" "$SRC"
+  # Without AMX: llama.cpp 0.3.36's AMX kernel (tinygemm_kernel_amx) dies with SIGILL on
+  # the first matmul on a Sapphire Rapids machine (2026-12-02); where the CPU has no AMX
+  # these flags change nothing.
+  NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON > "$OUT/llama-build.log" 2>&1
   cmake --build "$SRC/build" --target llama-server -j "$THREADS" >> "$OUT/llama-build.log" 2>&1

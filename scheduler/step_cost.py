@@ -25,6 +25,14 @@ never measured is estimated from the coarse model below at its padded size (deco
 time by number of rows, plus a marginal cost per prefill token, seeded by the warm-up
 too). The first real step of a shape replaces its seed.
 
+Under an ITL target a shape not yet run is predicted at the smaller of its scaled seed and
+what the steps measured so far say (`_measured_guess`): the warm-up's dummy context (every
+row its own 2,048 keys, no prefix shared) is the dear case, and a workload whose rows share
+a system prompt runs its steps at a fraction of it, more so for some shapes than others, so
+a scaled seed alone could keep the running set from ever growing into the shape that would
+show it fits (measured: a 0.15 s target held one stream of a shared-prefix load). A guess
+that is too low costs a step or two past the target, then that shape's own figure rules.
+
 Pure Python, no clocks of its own: the engine reports each step's duration.
 """
 
@@ -191,11 +199,27 @@ class StepCostModel:
         fit = self._fits.get(shape)
         if fit is not None and (fit.n or fit.seeded):
             if not fit.n:
-                return fit.seconds * (self._seed_ratio or 1.0)
+                seeded = fit.seconds * (self._seed_ratio or 1.0)
+                guess = self._measured_guess(*shape) if self.itl_target_s > 0 else None
+                return seeded if guess is None else min(seeded, guess)
             if work is None:
                 return fit.seconds
             return max(0.0, fit.seconds + self.slope * (work - fit.work))
         return self.estimate(shape[0], shape[1])
+
+    def _measured_guess(self, num_decode: int, prefill_padded: int) -> float | None:
+        """A step of this size by the coarse model from real steps only (None until a
+        decode step, and for a shape with prompt tokens a prefill, has been measured): the
+        decode time of the nearest measured size at or above, else of the largest (so it
+        errs low: a guess, to be corrected by the step it lets run)."""
+        real = {n: s for n, s in self._decode_s.items() if n not in self._seeded}
+        if not real:
+            return None
+        if prefill_padded and (self.prefill_token_s is None or self._prefill_seeded):
+            return None
+        above = [n for n in real if n >= num_decode]
+        base = real[min(above)] if above else real[max(real)]
+        return base + prefill_padded * (self.prefill_token_s or 0.0)
 
     def fits(self, num_decode: int, prefill_padded: int, work: float | None = None) -> bool:
         """Whether such a step is predicted to stay within the ITL target (always, with

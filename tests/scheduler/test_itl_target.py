@@ -228,6 +228,28 @@ def test_seeds_are_scaled_by_how_the_shapes_that_ran_compare_with_theirs():
     assert m.predict(4, 16) == pytest.approx(0.08) and m.fits(4, 16)
 
 
+def test_a_shape_not_yet_run_is_guessed_from_real_steps_so_the_running_set_can_grow():
+    """Seeds from the warm-up's dear dummy context can all look over the target while the
+    workload's real steps are cheap (rows sharing a system prompt): a shape that has not
+    run is then predicted from the real steps, so the plan tries it, and its own measured
+    figure rules from then on."""
+    m = StepCostModel(itl_target_s=0.1, shapes=SHAPES, block_q=16)
+    for d in (4, 16):
+        m.seed(d, 0, 0.09)
+        m.seed(d, 16, 0.24)  # every mixed shape looks over the target
+    m.observe(1, 0, 0.05, shape=(4, 0), work=2_000)  # seeds scaled by 0.56: still over
+    m.observe(0, 16, 0.03, shape=(4, 16), work=32_000)  # a question after a cached prompt
+    assert m.predict(4, 16) == pytest.approx(0.03)  # its own figure
+    assert m.predict(16, 16) == pytest.approx(0.05 + 16 * m.prefill_token_s)  # not 0.13
+    assert m.fits(16, 16)
+    m.observe(16, 16, 0.15, shape=(16, 16), work=40_000)  # it ran: dearer than the guess
+    assert m.predict(16, 16) == pytest.approx(0.15) and not m.fits(16, 16)
+    # Without a target (admission's TTFT predictions) the scaled seed stands.
+    m.itl_target_s = 0.0
+    m._fits[(16, 0)] = type(m._fits[(16, 0)])(seconds=0.09, seeded=True, seed=0.09)
+    assert m.predict(16, 0) == pytest.approx(0.09 * m._seed_ratio)
+
+
 def test_capacity_counts_up_and_stops_at_the_first_step_over_the_target():
     d = Driver(itl=0.1)
     cost, sched = d.sched.cost, d.sched
