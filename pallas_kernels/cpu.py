@@ -48,7 +48,8 @@ class CpuBackend(AttentionBackend):
                  shared_pages_per_block: int = 64, decode_rows_per_group: int = 8,
                  group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048,
                  max_prefixes: int = 4, segment_rows: int = 4,
-                 prefix_copies: int = 4, native_decode: bool | None = None) -> None:
+                 prefix_copies: int = 4, native_decode: bool | None = None,
+                 min_prefix_rows: int = 8) -> None:
         super().__init__(pool)
         # Decode rows' own pages through the native kernel (csrc/decode_attention.cc):
         # None = where it builds (an f32 pool; it falls back to jnp otherwise).
@@ -57,6 +58,12 @@ class CpuBackend(AttentionBackend):
 
             native_decode = available()[0]
         self.native_decode = native_decode
+        # With the native walk, a decode group reads a shared prefix through the cascade
+        # only for this many rows or more; fewer walk it themselves (`metadata`): the
+        # cascade's fixed cost (jnp: per layer, a few big blocks and a softmax merge) is
+        # ~30 ms a step here, the native walk ~2.5 ms per row and 1,000 keys
+        # (docs/benchmarks.md, "Which rows read a shared prefix at once").
+        self.min_prefix_rows = max(2, min_prefix_rows) if native_decode else 2
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align
         self.pages_per_block = pages_per_block
@@ -97,7 +104,13 @@ class CpuBackend(AttentionBackend):
         if decode is None:
             decode = bool((ql <= 1).all())
         n_prefixes = self.max_prefixes if decode else 1
-        found = prefix_groups(tables, ctx, ql, ps, self.width)[:n_prefixes]
+        # A prefill group's rows read their prompt's earlier pages as a prefix even alone:
+        # in big blocks, not the own walk's small ones (a 16-token question after a
+        # 2,000-token system prompt: 16 loop iterations a layer become 2 and a tail).
+        found = prefix_groups(tables, ctx, ql, ps, self.width, min_rows=1 if not decode else 2)
+        if decode:
+            found = [f for f in found if len(f[0]) >= self.min_prefix_rows]
+        found = found[:n_prefixes]
         prefix = np.full(rows, -1, np.int32)
         shared = np.zeros((n_prefixes, self.width), np.int32)
         shared_len = np.zeros(n_prefixes, np.int32)
@@ -265,26 +278,27 @@ class PrefixCopy:
 
 
 def prefix_groups(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
-                  page_size: int, width: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+                  page_size: int, width: int,
+                  min_rows: int = 2) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """The rows that share a table prefix, by their first page (among real rows with a
-    whole page before their first query; two rows at least): (rows, the prefix's pages
-    [width], its tokens) per prefix, the one that saves most reading first. A system
-    prompt under several adapters is several prefixes (the keys differ); rows of a
-    prefix of their own walk it themselves."""
+    whole page before their first query; `min_rows` rows at least): (rows, the prefix's
+    pages [width], its tokens) per prefix, the one that saves most reading first. A
+    system prompt under several adapters is several prefixes (the keys differ); rows of
+    a prefix of their own walk it themselves (with `min_rows` 1: read it as a prefix)."""
     real = query_lens > 0
     whole = real & (context_lens - query_lens >= page_size)
-    if whole.sum() < 2:
+    if whole.sum() < min_rows:
         return []
     firsts, counts = np.unique(tables[whole, 0], return_counts=True)
     found = []
-    for first in firsts[counts >= 2]:
+    for first in firsts[counts >= min_rows]:
         members = np.flatnonzero(whole & (tables[:, 0] == first))
         pages, length = shared_prefix(tables[members],
                                       context_lens[members] - query_lens[members],
                                       page_size, width)
         if length:
             found.append((members, pages, length))
-    found.sort(key=lambda f: -(len(f[0]) - 1) * f[2])
+    found.sort(key=lambda f: (-(len(f[0]) - 1) * f[2], -f[2]))
     return found
 
 

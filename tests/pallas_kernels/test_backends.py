@@ -102,6 +102,9 @@ CPU_OPTIONS = {
     # Segments of 2 rows, two prefixes at most (a third walks its own), one copy slot.
     "few-prefixes": dict(pages_per_block=1, shared_pages_per_block=2, segment_rows=2,
                          max_prefixes=2, prefix_copies=1),
+    # Every prefix two decode rows share through the cascade, merged with the native walk
+    # (by default only from 8 rows on).
+    "cascade-from-2-rows": dict(min_prefix_rows=2),
 }
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -178,7 +181,8 @@ def test_the_cascade_serves_each_prefix_its_rows_share():
     ctx = np.array([9, 10, 11, 12, 12, 9, 0], np.int32)
     ql = np.array([1, 1, 1, 1, 1, 1, 0], np.int32)
     pool = PoolLayout(1, 32, 4, 1, 8, np.float32, 4)
-    backend = make_backend("cpu", pool, decode_rows_per_group=2, segment_rows=2)
+    backend = make_backend("cpu", pool, decode_rows_per_group=2, segment_rows=2,
+                           min_prefix_rows=2)
     meta = backend.metadata(GroupLayout(tables, ctx, ql))
     assert meta.shared_len.tolist() == [8, 8, 0, 0]  # most rows first
     assert meta.shared_pages[0, :2].tolist() == [5, 6]
@@ -199,6 +203,30 @@ def test_the_cascade_serves_each_prefix_its_rows_share():
     # A prefill group shares one prefix, the one most of its rows have.
     pf = backend.metadata(GroupLayout(tables, ctx, ql), decode=False)
     assert pf.shared_len.tolist() == [8] and [s.shape for s in pf.segments] == [(1, 7)]
+
+
+def test_few_decode_rows_walk_their_prefix_natively_and_a_lone_prompt_block_reads_its_own():
+    """With the native walk, a prefix fewer than `min_prefix_rows` decode rows share is
+    walked by each row (cheaper than the cascade's fixed cost); a prefill group reads a
+    single block's earlier pages as a prefix, in big blocks; the same attention."""
+    tables = np.array([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 12, 0]], np.int32)
+    ctx, ql = np.array([9, 11, 12], np.int32), np.array([1, 1, 1], np.int32)
+    pool = PoolLayout(1, 32, 4, 1, 8, np.float32, 4)
+    for rows, native, shared in ((8, True, [0]), (8, False, [8]), (3, True, [8])):
+        backend = make_backend("cpu", pool, max_prefixes=1, native_decode=native,
+                               min_prefix_rows=rows)
+        assert backend.metadata(GroupLayout(tables, ctx, ql)).shared_len.tolist() == shared
+    lone = GroupLayout(tables[:1], np.array([12], np.int32), np.array([3], np.int32))
+    pf = backend.metadata(lone, decode=False)
+    assert pf.shared_len.tolist() == [8] and pf.shared_pages[0, :2].tolist() == [5, 6]
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 3, 1, 8)).astype(np.float32)
+    k, v = (rng.standard_normal(pool.shape).astype(np.float32) for _ in range(2))
+    out = np.asarray(backend.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                    jnp.int32(0), pf, backend.state))
+    ref = np.asarray(paged_attention_dense(q, k, v, tables[:1], lone.context_lens,
+                                           lone.query_lens))
+    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_prefix_copy_slots_serve_several_prefixes_without_taking_turns():
