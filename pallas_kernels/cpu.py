@@ -62,7 +62,8 @@ class CpuBackend(AttentionBackend):
         # only for this many rows or more; fewer walk it themselves (`metadata`): the
         # cascade's fixed cost (jnp: per layer, a few big blocks and a softmax merge) is
         # ~30 ms a step here, the native walk ~2.5 ms per row and 1,000 keys
-        # (docs/benchmarks.md, "Which rows read a shared prefix at once").
+        # (docs/benchmarks.md, "The ITL target at 0.15 s, and which rows read a
+        # shared prefix").
         self.min_prefix_rows = max(2, min_prefix_rows) if native_decode else 2
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align

@@ -36,6 +36,9 @@
 //   out   f32   [N, T] (feature_major) or [T, N].
 // K must be a multiple of 32. Work is split over XLA's intra-op thread pool by column
 // ranges; the calling thread works too and waits for the rest.
+//
+// (About 450 lines: the AMX, AVX-512 and portable paths compute one definition from one
+// packing behind one entry point; they stay in one file so that they change together.)
 
 #include <immintrin.h>
 
