@@ -37,6 +37,22 @@ from .schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComplet
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
+# Characters that JSON leaves raw but that line readers built on str.splitlines() (httpx's
+# `iter_lines`, which our own chat CLI and many clients use) take for line ends, cutting
+# an event in two: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR. In UTF-8 these bytes occur
+# only as those characters, and in JSON only inside strings, where the escape is the same
+# text. (The control characters below U+0020 JSON escapes anyway.)
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
+                (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_data(obj: object) -> bytes:
+    """One SSE event of `obj` as JSON, on a single line whatever its text holds."""
+    data = _encode(obj)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 class Reader:
@@ -150,7 +166,7 @@ class ChunkWriter:
         self.echo_due = [bool(adm.echo) and adm.logprobs is not None] * adm.n
 
     def _event(self, obj: object) -> bytes:
-        return b"data: " + _encode(obj) + b"\n\n"
+        return sse_data(obj)
 
     def _chunk(self, text: str | None, finish: str | None, events: list[TokenEvent],
                role: bool = False, index: int = 0) -> bytes:

@@ -8,7 +8,7 @@ import trio
 from app.completions import Admitted
 from app.guardrails import Guardrails
 from app.state import Flight, ServerState
-from app.streaming import sse_body
+from app.streaming import sse_body, sse_data
 from app.tenants import Tenants
 from config.settings import Settings
 from scheduler.api import ErrorEvent, FinishEvent, TokenEvent
@@ -105,3 +105,18 @@ async def test_client_gone_mid_stream_closes_the_flight():
     await gen.__anext__()  # "a"; now parked at a yield, as when the client stops reading
     await gen.aclose()  # what the server does on disconnect (GeneratorExit at the yield)
     assert pool.finished == ["r1"] and adm.flight.closed
+
+
+def test_an_event_stays_one_line_for_splitlines_readers():
+    """Text with NEL, LINE SEPARATOR or PARAGRAPH SEPARATOR (a random model's tokens can
+    be any of them) must not end the line for readers that split like str.splitlines():
+    httpx's iter_lines (seen cutting an event in a CI run) and our chat CLI."""
+    from httpx._decoders import LineDecoder
+
+    text = "a\x85b\u2028c\u2029d\ne\x0bf\u00e9"
+    event = sse_data({"choices": [{"delta": {"content": text}}]})
+    decoder = LineDecoder()
+    lines = decoder.decode(event.decode()) + decoder.flush()
+    data = [line for line in lines if line]
+    assert len(data) == 1 and data[0].startswith("data: ")
+    assert msgspec.json.decode(data[0][6:])["choices"][0]["delta"]["content"] == text
