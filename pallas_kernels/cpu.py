@@ -108,10 +108,8 @@ class CpuBackend(AttentionBackend):
         # A prefill group's rows read their prompt's earlier pages as a prefix even alone:
         # in big blocks, not the own walk's small ones (a 16-token question after a
         # 2,000-token system prompt: 16 loop iterations a layer become 2 and a tail).
-        found = prefix_groups(tables, ctx, ql, ps, self.width, min_rows=1 if not decode else 2)
-        if decode:
-            found = [f for f in found if len(f[0]) >= self.min_prefix_rows]
-        found = found[:n_prefixes]
+        found = prefix_groups(tables, ctx, ql, ps, self.width,
+                              min_rows=self.min_prefix_rows if decode else 1)[:n_prefixes]
         prefix = np.full(rows, -1, np.int32)
         shared = np.zeros((n_prefixes, self.width), np.int32)
         shared_len = np.zeros(n_prefixes, np.int32)
