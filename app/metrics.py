@@ -123,10 +123,14 @@ class _EngineCollector:
             "step-cost model admission and the ITL target plan with).", labels=LABELS)
         host = HistogramMetricFamily(
             "sluice:step_host_seconds", "Host work per step around its computation: "
-            "planning, packing, commit, detokenizing, delivery (the device idles).",
+            "planning, packing, commit, detokenizing, delivery (overlapped with the next "
+            "step's computation unless the pool's scheduler.overlap is off).",
             labels=LABELS)
         compute = counter("step_compute_seconds",
                           "Seconds the steps computed (busy seconds less host work).")
+        idle = counter("step_idle_seconds",
+                       "Seconds the computation stood idle between steps, waiting for host "
+                       "work (overlapped scheduling hides the rest of it).")
 
         # vLLM's adapter gauge: the value is the time of the scrape, the labels say which
         # adapters run and wait (comma-separated) and how many slots there are.
@@ -177,6 +181,7 @@ class _EngineCollector:
             _histogram(prediction, lv, PREDICTION_BUCKETS, [s.step_prediction for s in stats])
             _histogram(host, lv, HOST_BUCKETS, [s.step_host for s in stats])
             compute.add_metric(lv, sum(s.compute_s for s in stats))
+            idle.add_metric(lv, sum(s.idle_s for s in stats))
             cache_info.add_metric(lv + [str(_page_size(pool)), str(s_total),
                                         str(pool.config.scheduler.prefix_cache)], 1.0)
             for s in stats:
@@ -192,8 +197,8 @@ class _EngineCollector:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
-                    itl_target, prediction, host, compute, lora_info, lora_requests, lora_tokens, lora_loads,
-                    lora_swaps, lora_loaded)
+                    itl_target, prediction, host, compute, idle, lora_info, lora_requests,
+                    lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 
 

@@ -48,6 +48,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # max_running); a request that cannot then meet ttft_target_s is refused at once
     # (429, reason "itl_target"). See scheduler/step_cost.py.
     itl_target_s: float = 0.0
+    # Overlapped scheduling: plan and launch step N+1 while step N computes, its sampled
+    # tokens fed to N+1 on the device; N's tokens are committed and delivered while N+1
+    # runs. Host work then leaves the computation idle only where it is longer than a
+    # step. Outputs are token for token those without it. A step holding a sequence that
+    # needs its last token on the host (structured output, penalties) is waited for.
+    overlap: bool = True
     # Without an ITL target: a step that carries prefill beside running decodes may take
     # at most max(prefill_floor_s, decode-only step time * (1 + prefill_slowdown));
     # prefill still gets min_prefill_tokens a step, so long prompts move.

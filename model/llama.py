@@ -47,6 +47,9 @@ class StepBatch:
     decode: Any  # the attention backend's metadata for the decode group (opaque)
     prefill: Any  # ... and for the prefill group
     lora_slots: jax.Array | None = None  # [T] int32: each token's adapter slot, -1: none
+    # [T] int32: the row of the step before's sampled tokens a pending token is (-1: the
+    # token is in `tokens`); the runner's compiled step resolves it before `forward`.
+    prev_src: jax.Array | None = None
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,

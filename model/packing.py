@@ -35,6 +35,7 @@ class StepLayout:
     slots: np.ndarray  # [T] int32: page * page_size + offset; padding writes slot 0
     lora_slots: np.ndarray  # [T] int32: the adapter slot of each token's sequence (-1: none)
     sample_idx: np.ndarray  # [sample_rows] int32: flat token whose logits each row takes
+    prev_src: np.ndarray  # [T] int32: a pending token's row in the step before's samples; -1
     decode: GroupLayout
     prefill: GroupLayout
     samples: list[SeqChunk]  # the chunks that sample, in sample-row order
@@ -66,8 +67,11 @@ def split(plan: StepPlan, max_decode_rows: int, block_q: int
 
 
 def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: int,
-         block_q: int, pages_per_seq: int, n_samples: int) -> StepLayout:
-    """Lay `dec` and `pf` (from `split`) out in `bucket`'s arrays."""
+         block_q: int, pages_per_seq: int, n_samples: int,
+         prev_rows: dict[int, int] | None = None) -> StepLayout:
+    """Lay `dec` and `pf` (from `split`) out in `bucket`'s arrays. `prev_rows`: each
+    sequence's sample row in the step launched before, where a `pending` chunk's token
+    is."""
     ps, bq = page_size, block_q
     nd, blocks = bucket.dec_rows, bucket.pf_tokens // bq
     t = nd + bucket.pf_tokens
@@ -75,6 +79,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
     positions = np.zeros(t, np.int32)
     slots = np.zeros(t, np.int32)
     lora_slots = np.full(t, -1, np.int32)
+    prev_src = np.full(t, -1, np.int32)
     decode = GroupLayout.empty(nd, pages_per_seq)
     prefill = GroupLayout.empty(blocks, pages_per_seq)
     sample_idx = np.zeros(n_samples, np.int32)
@@ -84,7 +89,10 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
     for i, c in enumerate(dec):
         pos = c.start_pos
         pt = c.page_table
-        tokens[i] = c.token_ids[0]
+        if c.pending:
+            prev_src[i] = _prev_row(c, prev_rows)
+        else:
+            tokens[i] = c.token_ids[0]
         positions[i] = pos
         slots[i] = pt[pos // ps] * ps + pos % ps
         lora_slots[i] = c.adapter_slot
@@ -101,7 +109,10 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         n = len(c.token_ids)
         pt = np.asarray(c.page_table, np.int32)
         pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
-        tokens[flat:flat + n] = c.token_ids
+        if c.pending:
+            prev_src[flat] = _prev_row(c, prev_rows)
+        else:
+            tokens[flat:flat + n] = c.token_ids
         positions[flat:flat + n] = pos
         slots[flat:flat + n] = pt[pos // ps] * ps + pos % ps
         lora_slots[flat:flat + n] = c.adapter_slot
@@ -118,8 +129,15 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
             samples.append(c)
         flat += -(-n // bq) * bq
     real = sum(len(c.token_ids) for c in (*dec, *pf))
-    return StepLayout(bucket, tokens, positions, slots, lora_slots, sample_idx, decode,
-                      prefill, samples, real, scored)
+    return StepLayout(bucket, tokens, positions, slots, lora_slots, sample_idx, prev_src,
+                      decode, prefill, samples, real, scored)
+
+
+def _prev_row(c: SeqChunk, prev_rows: dict[int, int] | None) -> int:
+    row = (prev_rows or {}).get(c.seq_id)
+    if row is None:
+        raise ValueError(f"seq {c.seq_id}: a pending token the step before did not sample")
+    return row
 
 
 def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples: int,
@@ -138,5 +156,5 @@ def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples:
         return g
 
     return StepLayout(bucket, zeros, zeros.copy(), zeros.copy(), np.full(t, -1, np.int32),
-                      np.zeros(n_samples, np.int32), group(nd, 1), group(blocks, block_q),
-                      [], 0)
+                      np.zeros(n_samples, np.int32), np.full(t, -1, np.int32), group(nd, 1),
+                      group(blocks, block_q), [], 0)

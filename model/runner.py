@@ -39,12 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
-from scheduler.protocol import SampledToken, SeqChunk, StepLimits, StepPlan, StepResult
+from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .base import resolve_dtype
 from .adapter_slots import LoraSlots
 from .config import ModelConfig
+from .inflight import Launched, ReadyTimes
 from .llama import StepBatch, forward, prepare_params, rope_inv_freq
 from .quant import quantized_bytes
 from .scoring import PromptScorer
@@ -216,6 +217,13 @@ class ModelRunner:
         self._lock = threading.RLock()
         self._compile_lock = threading.Lock()
         self._last: tuple[Any, Any] = (None, None)  # the last step's logits and hidden
+        # Overlapped scheduling: the last launched step's sampled tokens, on the device
+        # ([_prev_width] int32, written by every sampler run), and each sequence's row
+        # in it: a `pending` chunk of the next step reads its token from there.
+        self._prev_tokens: Any = None
+        self._prev_rows: dict[int, int] = {}
+        self._ready = ReadyTimes()  # when each launched step's output was ready
+        self._last_ready = 0.0  # ... the last collected one's (perf_counter)
         # A multi-host replica's leader (model/multihost.py): every device call is
         # mirrored to the follower processes first; None in one process.
         self.mirror = None
@@ -228,6 +236,8 @@ class ModelRunner:
         # ITL target plans each step from each shape's own time).
         self.time_all_shapes = time_all_shapes
         self.programs = Programs(self.buckets(), self._build)
+        self._prev_width = max((self._sample_rows(b) for b in self.programs.all), default=1)
+        self._prev_tokens = np.zeros(self._prev_width, np.int32)
 
     def _new_pool(self) -> tuple:
         """The zeroed K and V pools, made where they live (on their shards, with TP)."""
@@ -376,6 +386,7 @@ class ModelRunner:
         """Stop compiling in the background (after the shape being compiled now), and a
         multi-host replica's followers."""
         self.programs.close()
+        self._ready.close()
         if self.mirror is not None:
             self.mirror.close()
 
@@ -391,9 +402,11 @@ class ModelRunner:
         layout = self._dummy(b)
         rows = self._sample_rows(b)
         with self._lock:
+            prev = self._prev_tokens  # a step in flight's tokens, which the next one reads
             self._dev_step(b, self._batch(layout, []))
             for kind in SAMPLERS:
                 np.asarray(self._dev_sample(kind, rows, self._sampling_args(kind, rows, [])))
+            self._prev_tokens = prev
         if not self.time_all_shapes and b.pf_tokens not in (0, max(self.prefill_buckets)):
             return
         # Once more, timed (the first run's extra cost is gone): the step-cost estimate
@@ -401,10 +414,12 @@ class ModelRunner:
         # decode size's time and one prefill token's cost: the decode-only shapes and the
         # largest prefill bucket beside each mixed decode size are enough.
         with self._lock:
+            prev = self._prev_tokens
             t0 = time.perf_counter()
             self._dev_step(b, self._batch(layout, []))
             np.asarray(self._dev_sample("greedy", rows, ()))
             self.warmup_times.append((b.dec_rows, b.pf_tokens, time.perf_counter() - t0))
+            self._prev_tokens = prev
 
     def _precompile(self, b: Bucket) -> None:
         """Bucket `b`'s step and samplers compiled (nothing runs)."""
@@ -452,8 +467,18 @@ class ModelRunner:
             forward, cfg=self.local_config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,
             feature_major=self.feature_major))
-        return jax.jit(fn, donate_argnums=(1,)).lower(
-            spec(self.params), spec(self.kv), spec(batch), spec(state), spec(lora)).compile()
+
+        def step(params, kv, batch, state, lora, prev):
+            # A pending token (overlapped scheduling): the step before sampled it.
+            src = batch.prev_src
+            tokens = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], batch.tokens)
+            return fn(params, kv, batch.replace(tokens=tokens), state, lora)
+
+        prev = jax.ShapeDtypeStruct((self._prev_width,), jnp.int32,
+                                    sharding=self.tp.replicated if self.tp else None)
+        return jax.jit(step, donate_argnums=(1,)).lower(
+            spec(self.params), spec(self.kv), spec(batch), spec(state), spec(lora),
+            prev).compile()
 
     def _sampler(self, kind: str, rows: int) -> Callable:
         return self._compiled(self._samplers, (kind, rows),
@@ -485,13 +510,15 @@ class ModelRunner:
     @mirrored
     def _dev_step(self, b: Bucket, batch: StepBatch) -> tuple[Any, Any]:
         self.kv, logits, hidden = self._program(b)(self.params, self.kv, batch,
-                                                   self.attention.state, self._lora_arrays)
+                                                   self.attention.state, self._lora_arrays,
+                                                   self._prev_tokens)
         self._last = (logits, hidden)
         return self._last
 
     @mirrored
     def _dev_sample(self, kind: str, rows: int, args: tuple):
-        return self._sampler(kind, rows)(self._last[0], *args)
+        packed, self._prev_tokens = self._sampler(kind, rows)(self._last[0], *args)
+        return packed
 
     @mirrored
     def _dev_score(self, targets: np.ndarray):
@@ -504,10 +531,16 @@ class ModelRunner:
 
     def _compile_sampler(self, kind: str, rows: int) -> Callable:
         logits = self._spec(jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32))
-        if kind == "greedy":
-            return jax.jit(sampling.sample_greedy).lower(logits).compile()
-        args = self._spec(self._sampling_args(kind, rows, []))
-        return jax.jit(sampling.sample_full).lower(logits, *args).compile()
+        sample = sampling.sample_greedy if kind == "greedy" else sampling.sample_full
+        width = self._prev_width
+
+        def run(logits, *args):  # also the tokens alone, where the next step reads them
+            packed = sample(logits, *args)
+            tokens = jnp.zeros(width, jnp.int32).at[:rows].set(packed[:, 0].astype(jnp.int32))
+            return packed, tokens
+
+        args = () if kind == "greedy" else self._spec(self._sampling_args(kind, rows, []))
+        return jax.jit(run).lower(logits, *args).compile()
 
     def _sampling_args(self, kind: str, rows: int, samples: list[SeqChunk]) -> tuple:
         if kind == "greedy":
@@ -531,6 +564,12 @@ class ModelRunner:
         """Why this multi-host replica can never step again (None: it can)."""
         return None if self.mirror is None else self.mirror.lost
 
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the engine may launch a step before collecting the one before (not on
+        a multi-host replica: its followers step in lockstep, one step at a time)."""
+        return self.mirror is None
+
     def step(self, plan: StepPlan, *, return_logits: bool = False) -> StepResult:
         if self.mirror is not None:  # a collective whose peer is gone may never return
             return self.mirror.watch(self._step, plan, return_logits)
@@ -538,53 +577,87 @@ class ModelRunner:
 
     def _step(self, plan: StepPlan, return_logits: bool) -> StepResult:
         with self._lock:
-            t0 = time.perf_counter()
-            if plan.copies:
-                self._run_copies(plan.copies)
-            for slot, name in plan.adapter_loads:
-                self.lora.load(slot, name)
-            if not plan.chunks:
-                return StepResult(sampled={}, device_seconds=time.perf_counter() - t0)
-            dec, pf, need = split(plan, self.limits.max_decode_seqs, self.block_q)
-            if len(pf) > self.max_prefill_seqs:
-                raise ValueError(f"{len(pf)} prefill chunks > {self.max_prefill_seqs=}")
-            bucket = self.programs.pick(need)
-            if bucket is None:
-                raise RuntimeError(f"no compiled step holds {need} (decode rows, prefill "
-                                   f"tokens); ready: {self.programs.ready}")
-            layout = pack(dec, pf, bucket, page_size=self.page_size, block_q=self.block_q,
-                          pages_per_seq=self.pool.pages_per_seq,
-                          n_samples=self._sample_rows(bucket))
-            batch = self._batch(layout, plan.copies)
-            t_pack = time.perf_counter()
-            logits, _ = self._dev_step(bucket, batch)
-            sampled, failed = self._sample(layout.samples, self._sample_rows(bucket))
-            scores = {}
-            if layout.scored:
-                targets = self._scorer.targets(layout.scored, sum(bucket))
-                scores = self._scorer.unpack(layout.scored, self._dev_score(targets))
-            if not layout.samples:
-                # Nothing sampled, so nothing waited for the step: wait here. Otherwise
-                # the engine would dispatch a long prompt's chunks back to back without
-                # them having run, a request arriving meanwhile would queue behind all of
-                # them, and the step times the cost model learns would be dispatch times.
-                jax.block_until_ready(logits)
-            result = StepResult(sampled=sampled, padded_tokens=sum(bucket),
-                                real_tokens=layout.real_tokens,
-                                device_seconds=time.perf_counter() - t0,
-                                shape=(bucket.dec_rows, bucket.pf_tokens),
-                                host_seconds=t_pack - t0, prompt_logprobs=scores,
-                                failed=failed)
-            if return_logits:
-                host = np.asarray(logits)
-                result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}
-            return result
+            return self._collect(self._launch(plan), return_logits)
+
+    def launch(self, plan: StepPlan) -> Launched | StepResult:
+        """Pack the plan and queue its programs; returns before they have run (a
+        multi-host replica runs the whole step here). Its `pending` chunks take the
+        tokens the step launched just before sampled."""
+        if self.mirror is not None:
+            return self.step(plan)
+        with self._lock:
+            return self._launch(plan)
+
+    def collect(self, handle: Launched | StepResult) -> StepResult:
+        """Wait for a launched step (in launch order) and read its result back."""
+        if isinstance(handle, StepResult):
+            return handle
+        return self._collect(handle)
+
+    def _launch(self, plan: StepPlan) -> Launched | StepResult:
+        t0 = time.perf_counter()
+        if plan.copies:
+            self._run_copies(plan.copies)
+        for slot, name in plan.adapter_loads:
+            self.lora.load(slot, name)
+        if not plan.chunks:
+            self._prev_rows = {}
+            return StepResult(sampled={}, device_seconds=time.perf_counter() - t0)
+        dec, pf, need = split(plan, self.limits.max_decode_seqs, self.block_q)
+        if len(pf) > self.max_prefill_seqs:
+            raise ValueError(f"{len(pf)} prefill chunks > {self.max_prefill_seqs=}")
+        bucket = self.programs.pick(need)
+        if bucket is None:
+            raise RuntimeError(f"no compiled step holds {need} (decode rows, prefill "
+                               f"tokens); ready: {self.programs.ready}")
+        rows = self._sample_rows(bucket)
+        layout = pack(dec, pf, bucket, page_size=self.page_size, block_q=self.block_q,
+                      pages_per_seq=self.pool.pages_per_seq, n_samples=rows,
+                      prev_rows=self._prev_rows)
+        batch = self._batch(layout, plan.copies)
+        t_dispatch = time.perf_counter()
+        logits, _ = self._dev_step(bucket, batch)
+        packed = scores = None
+        if layout.samples:
+            kind = sampling.kind_of(layout.samples)
+            packed = self._dev_sample(kind, rows, self._sampling_args(kind, rows, layout.samples))
+        if layout.scored:
+            scores = self._dev_score(self._scorer.targets(layout.scored, sum(bucket)))
+        self._prev_rows = {c.seq_id: r for r, c in enumerate(layout.samples)}
+        ticket = self._ready.watch(logits if packed is None else packed)
+        return Launched(layout, bucket, logits, packed, scores, ticket, t0, t_dispatch)
+
+    def _collect(self, l: Launched | StepResult, return_logits: bool = False) -> StepResult:
+        if isinstance(l, StepResult):
+            return l
+        wait = l.ticket.wait()  # also when nothing is sampled: the step has run
+        layout, bucket = l.layout, l.bucket
+        sampled, failed = ({}, {}) if l.packed is None else sampling.unpack(
+            np.asarray(l.packed), layout.samples)  # the one device-to-host copy
+        scores = {} if l.scores is None else self._scorer.unpack(layout.scored, l.scores)
+        # The step's own time: from its launch, or from the end of the step before if it
+        # was launched while that one ran (then its packing cost the computation nothing).
+        prev, self._last_ready = self._last_ready, l.ticket.at
+        begin = max(l.t0, prev)
+        result = StepResult(sampled=sampled, padded_tokens=sum(bucket),
+                            real_tokens=layout.real_tokens,
+                            device_seconds=l.ticket.at - begin,
+                            shape=(bucket.dec_rows, bucket.pf_tokens),
+                            host_seconds=max(0.0, l.t_dispatch - begin),
+                            prompt_logprobs=scores, failed=failed,
+                            idle_seconds=max(0.0, l.t_dispatch - prev) if prev else 0.0,
+                            wait_seconds=wait)
+        if return_logits:
+            host = np.asarray(l.logits)
+            result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}
+        return result
 
     def _batch(self, layout: StepLayout, copies: list[tuple[int, int]]) -> StepBatch:
         dec, pf = self.attention.prepare(self.kv, (layout.decode, layout.prefill),
                                          layout.slots, copies)
         return StepBatch(tokens=layout.tokens, positions=layout.positions, slots=layout.slots,
                          sample_idx=layout.sample_idx, decode=dec, prefill=pf,
+                         prev_src=layout.prev_src,
                          lora_slots=None if self.lora is None else layout.lora_slots)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -595,18 +668,3 @@ class ModelRunner:
                 copies[i:i + _COPY_BUCKET], np.int32).T
             src, dst = ((layers + p[None, :]).reshape(-1) for p in part)
             self._dev_copy(src, dst)
-
-    def _sample(self, samples: list[SeqChunk],
-                rows: int) -> tuple[dict[int, SampledToken], dict[int, str]]:
-        if not samples:
-            return {}, {}
-        if any(c.sampling.needs_penalties for c in samples):
-            kind = "penalties"
-        elif all(c.sampling.is_greedy and not c.sampling.logit_bias and c.constraint is None
-                 for c in samples):
-            kind = "greedy"
-        else:
-            kind = "full"
-        packed = self._dev_sample(kind, rows, self._sampling_args(kind, rows, samples))
-        # The one device-to-host copy of the step.
-        return sampling.unpack(np.asarray(packed), samples)

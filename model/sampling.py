@@ -197,6 +197,17 @@ def sampling_batch(rows: list, n: int, hist: int, rng: np.random.Generator,
 NONFINITE = "the model's logits were not finite (NaN or infinity)"
 
 
+def kind_of(rows: list) -> str:
+    """The sampler variant a step's sampling rows need: "greedy" when every row is plain
+    argmax, "penalties" when any counts its tokens, else "full"."""
+    if any(c.sampling.needs_penalties for c in rows):
+        return "penalties"
+    if all(c.sampling.is_greedy and not c.sampling.logit_bias and c.constraint is None
+           for c in rows):
+        return "greedy"
+    return "full"
+
+
 def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dict[int, str]]:
     """The packed [rows, PACK_WIDTH] result -> (seq_id -> SampledToken (logprobs if
     asked), seq_id -> why its row failed).

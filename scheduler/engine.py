@@ -6,15 +6,34 @@ Each iteration, on the trio thread:
 2. requests that waited past their queue deadline are shed (ErrorEvent kind="shed");
 3. `Scheduler.schedule()` plans the step; with nothing to do the loop sleeps on an event
    that `submit` and `abort` set (no busy loop);
-4. `runner.step(plan)` runs in a worker thread, so the event loop keeps serving HTTP;
-5. the results are committed: tokens appended, text decoded incrementally, stops applied
-   (eos, stop ids, stop strings across tokens, max_tokens, context), events delivered with
-   `send_nowait`, and finished sequences' pages freed, all before the next plan.
+4. `runner.launch(plan)` packs it and starts its computation, in a worker thread, so the
+   event loop keeps serving HTTP;
+5. the step launched before it is collected (`runner.collect`, in a worker thread: it
+   waits for that computation) and committed: tokens appended, text decoded
+   incrementally, stops applied (eos, stop ids, stop strings across tokens, max_tokens,
+   context), events delivered with `send_nowait`, finished sequences' pages freed.
+
+Overlapped scheduling (`SchedulerConfig.overlap`, on by default; vLLM's async scheduling,
+SGLang's overlap scheduler): steps 1-4 for step N+1 run while step N computes, so the host
+work of an iteration leaves the computation idle only where it takes longer than a step.
+N+1 is planned as if each of N's sampled tokens were known: such a sequence's decode is a
+`pending` chunk, whose token the runner reads on the device from N's sampler output. The
+bookkeeping is `Scheduler.launched` (chunks count as computed, one token in flight) and
+`Scheduler.commit` (the token appended). A sequence that N ends (a stop, eos) has one
+wasted row in N+1, whose token is dropped: nothing is delivered that the plain loop would
+not deliver (tests/test_overlap.py checks token equality). A step holding a sequence that
+needs its last token on the host to plan its next (structured output, penalties) is
+committed before the next plan; so is every step of a runner that cannot overlap
+(`can_overlap`, a multi-host replica) or has only `step`. Without overlap, each step is
+launched and committed at once.
 
 Ownership: every `Sequence` and the page allocator are touched only on the trio thread
 (call `submit`, `abort` and `stats` from it, never from a worker thread).
 The worker thread only reads the `StepPlan`, and nothing it references is mutated while
-the step is in flight: `abort()` of a sequence inside the step only marks it.
+it packs: `abort()` of a sequence inside a step in flight only marks it. Once launched, a
+step's pages may be freed and given to another sequence: the device runs steps in launch
+order, so the old step has written and read them before the new owner's step touches
+them.
 
 Delivery never blocks the loop: each request has a bounded channel; when it is full the
 tokens stay in the request's `OutputStream` and go out coalesced into the next event once
@@ -38,9 +57,9 @@ Failures are contained to the requests they touch (docs/reliability.md):
 - an exception while turning one sequence's token into output (its detokenizer, stop
   strings, grammar) ends that request alone (`_output_failed`).
 
-(About 450 lines: the loop, submit/abort and the one path that ends a request stay
-together, now with structured output's token hand-off and `n` choices' shared channel;
-admission and the step log already live in their own modules.)
+(About 530 lines: the loop, submit/abort and the one path that ends a request stay
+together, with structured output's token hand-off, `n` choices' shared channel and the
+overlap of launch and commit; admission and the step log live in their own modules.)
 """
 
 from __future__ import annotations
@@ -69,6 +88,18 @@ _IDLE_POLL_S = 0.01  # while undelivered events wait for a slow client and nothi
 _LOST_POLL_S = 0.5  # how often an idle engine asks a runner that can be lost (multi-host)
 
 
+@dataclasses.dataclass(slots=True)
+class _Launched:
+    """A step the runner has started and the engine has not committed yet."""
+
+    batch: Batch
+    handle: Any  # the runner's (`launch`'s return)
+    t0: float  # when its launch began (engine clock)
+    predicted: float  # the step-cost model's estimate of its seconds
+    index: int  # launch order
+    overlappable: bool  # the next step may be planned before its tokens are back
+
+
 class Engine:
     """One replica: a runner, its KV pool's books, a waiting queue and a running batch."""
 
@@ -84,7 +115,8 @@ class Engine:
         self.clock = clock
         self.scheduler = Scheduler(config, num_pages=runner.num_pages,
                                    page_size=runner.page_size, limits=runner.limits,
-                                   clock=clock, adapter_slots=runner.adapter_slots)
+                                   clock=clock, adapter_slots=runner.adapter_slots,
+                                   max_context=runner.max_context)
         self.admission = Admission(self.scheduler, config, clock,
                                    max_context=runner.max_context)
         self._log = StepLog(step_records)
@@ -106,6 +138,11 @@ class Engine:
         # When this iteration's host work began: the previous step's end, unless the loop
         # idled in between (then the top of this iteration).
         self._iter_from: float | None = None
+        self._last_end = -math.inf  # when the last committed step ended
+        self._launches = 0  # steps launched so far
+        self._failed_index = 0  # the last failed step's launch index
+        # Steps launched and not yet committed, oldest first (at most two, for a moment).
+        self._flight: list[_Launched] = []
 
     # -- the public face ---------------------------------------------------------------
     @property
@@ -223,12 +260,23 @@ class Engine:
                 self._shed_expired()
                 if self._undelivered:
                     self._deliver_pending()
+                prev = self._flight[0] if self._flight else None
+                if prev is not None and not prev.overlappable:
+                    await self._finish(prev)  # its tokens are needed to plan the next step
+                    continue
                 batch = self.scheduler.schedule()
                 if batch is None:
+                    if prev is not None:
+                        await self._finish(prev)
+                        continue
                     self._iter_from = None
                     await self._idle()
                     continue
-                await self._step(batch)
+                launched = await self._launch(batch)
+                if prev is not None:  # the step launched before: its tokens, while the new one runs
+                    await self._finish(prev)
+                if launched is not None and not (self._overlap and launched.overlappable):
+                    await self._finish(launched)
                 # Let other tasks (HTTP handlers reading events) run between steps even if
                 # the runner returned instantly.
                 await trio.lowlevel.checkpoint()
@@ -249,23 +297,64 @@ class Engine:
         with trio.move_on_after(timeout):
             await self._wakeup.wait()
 
-    async def _step(self, batch: Batch) -> None:
+    # The runner is read at each call (tests wrap a live engine's runner in fault injection).
+    @property
+    def _overlap(self) -> bool:
+        """Plan and launch the next step while the last one runs: configured, and the
+        runner has `launch`/`collect` and does not refuse it (`can_overlap`)."""
         runner = self.runner
+        return (self.config.overlap and hasattr(runner, "launch")
+                and getattr(runner, "can_overlap", True))
+
+    def _runner_launch(self, plan):
+        launch = getattr(self.runner, "launch", None)
+        return self.runner.step(plan) if launch is None else launch(plan)
+
+    def _runner_collect(self, handle):
+        collect = getattr(self.runner, "collect", None)
+        return handle if collect is None else collect(handle)
+
+    async def _launch(self, batch: Batch) -> _Launched | None:
+        """Start a planned step (packed and running when this returns); None: it failed."""
         t0 = self.clock()
+        index = self._launches = self._launches + 1
         predicted = self.scheduler.predict(batch)
-        # Set while the step runs (aborts wait for it); admission counts what is left.
-        self._step_ends_at = t0 + predicted
+        # Set while a step is in flight (aborts of its sequences wait for it); admission
+        # counts what is left of the steps launched.
+        self._step_ends_at = max(t0, self._step_ends_at or t0) + predicted
         try:
-            result = await trio.to_thread.run_sync(runner.step, batch.plan,
+            handle = await trio.to_thread.run_sync(self._runner_launch, batch.plan,
                                                    limiter=self._limiter)
         except Exception as exc:  # the runner failed this step
-            self._step_ends_at = None
+            if not self._flight:
+                self._step_ends_at = None
+            self._failed_index = index
+            self._step_failed(batch, exc, t0)
+            if isinstance(exc, RunnerLost) and self._alive:
+                self._die(f"engine {self.name!r} is dead: {exc}")
+            return None
+        self.scheduler.launched(batch)
+        launched = _Launched(batch, handle, t0, predicted, index,
+                             overlappable=not any(s.needs_host_token for s in batch.seqs))
+        self._flight.append(launched)
+        return launched
+
+    async def _finish(self, launched: _Launched) -> None:
+        """Wait for a launched step (the oldest in flight) and commit its results."""
+        batch, t0 = launched.batch, launched.t0
+        try:
+            result = await trio.to_thread.run_sync(self._runner_collect, launched.handle,
+                                                   limiter=self._limiter)
+        except Exception as exc:  # the runner failed this step
+            self._failed_index = launched.index
             self._step_failed(batch, exc, t0)
             if isinstance(exc, RunnerLost) and self._alive:
                 self._die(f"engine {self.name!r} is dead: {exc}")
             return
         finally:  # also on Cancelled, which only arrives after the thread is done
-            self._step_ends_at = None
+            self._flight.remove(launched)
+            if not self._flight:
+                self._step_ends_at = None
         for seq in batch.seqs:  # rows the runner could not sample (non-finite logits)
             if (why := result.failed.get(seq.seq_id)) is not None and seq.is_running:
                 self._end_request(seq, "error", ErrorEvent(message=f"model step failed: {why}"))
@@ -275,7 +364,8 @@ class Engine:
             self._step_failed(batch, exc, t0)
             return
         t1 = self.clock()
-        self._failures = 0
+        if launched.index > self._failed_index:  # "in a row" counts in launch order
+            self._failures = 0
         if result.device_seconds > 0:
             self.scheduler.observe(batch, result.device_seconds, result.shape)
         for seq, tok in sampled:
@@ -284,16 +374,24 @@ class Engine:
             except Exception as exc:  # this request's output alone is broken
                 self._output_failed(seq, exc)
         self._end_deferred_aborts()
-        # Host work: the iteration (from the previous step's end) less the computation.
+        # Host work: the iteration (from the previous step's end) less the time spent
+        # waiting for the computation; the computation's idle gap before this step, as
+        # the runner measured it, within that.
         end = self.clock()
         compute = max(0.0, result.device_seconds - result.host_seconds)
-        host = max(0.0, end - (t0 if self._iter_from is None else self._iter_from) - compute)
+        wall = end - (t0 if self._iter_from is None else self._iter_from)
+        host = max(0.0, wall - (result.wait_seconds if result.wait_seconds else compute))
+        idle = min(result.idle_seconds, host) if result.idle_seconds else 0.0
         self._iter_from = end
+        # Steps' intervals in the log do not overlap: one launched while the previous ran
+        # starts, for the record, when that one ended.
+        start = max(t0, self._last_end)
+        self._last_end = t1
         tokens = batch.plan.num_tokens
-        self._log.record(batch, t0, t1, real_tokens=result.real_tokens or tokens,
+        self._log.record(batch, start, max(start, t1), real_tokens=result.real_tokens or tokens,
                          padded_tokens=result.padded_tokens or tokens,
-                         predicted_s=predicted, measured_s=result.device_seconds,
-                         compute_s=compute, host_s=host)
+                         predicted_s=launched.predicted, measured_s=result.device_seconds,
+                         compute_s=compute, host_s=host, idle_s=idle)
         self._log.generation_tokens += len(sampled)
 
     def _take(self, seq: Sequence, tok, now: float) -> None:
@@ -340,7 +438,8 @@ class Engine:
         self._failures += 1
         message = f"model step failed: {type(exc).__name__}: {exc}"
         self._log.record(batch, t0, t1, error=message)
-        for seq in (*batch.seqs, *batch.copied):
+        # Sequences admitted since its launch onto the pages it was to compute fail too.
+        for seq in (*batch.seqs, *batch.copied, *self.scheduler.forget(batch)):
             self._end_request(seq, "error", ErrorEvent(message=message))
         if self._failures >= self.max_consecutive_failures:
             self._die(f"engine {self.name!r} is dead after {self._failures} failed steps in "

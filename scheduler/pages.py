@@ -230,14 +230,16 @@ class PageAllocator:
                     return True
         return False
 
-    def register(self, seq: Sequence, first: int, end: int) -> None:
-        """Offer pages ``[first, end)`` of the sequence (now full and computed) to the
-        cache. A page whose prefix is already cached in another page stays private (two
-        sequences computed the same prompt at once); it goes straight back to the free
-        list when released."""
+    def register(self, seq: Sequence, first: int, end: int) -> list[int]:
+        """Offer pages ``[first, end)`` of the sequence (full, and computed by a step
+        launched: any step that reads them runs after it) to the cache; returns the pages
+        newly cached. A page whose prefix is already cached in another page stays private
+        (two sequences computed the same prompt at once); it goes straight back to the
+        free list when released."""
         if not self.prefix_cache:
-            return
+            return []
         ps = self.page_size
+        added = []
         for i in range(first, end):
             page = seq.kv_pages[i]
             if self._key_of[page] is not None:
@@ -249,6 +251,19 @@ class PageAllocator:
             self._key_of[page] = key
             self._meta[page] = (parent, seq.cache_salt, tuple(seq.token_ids[i * ps:(i + 1) * ps]))
             self._page_of_key[key] = page
+            added.append(page)
+        return added
+
+    def forget(self, pages: Iterable[int]) -> None:
+        """Take pages out of the cache (the step that was to compute them failed): one
+        nobody holds goes back to the free list."""
+        for page in pages:
+            if self._key_of[page] is None:
+                continue
+            self._uncache(page)
+            if self.ref[page] == 0:
+                del self._lru[page]
+                self._free.append(page)
 
     def _uncache(self, page: int) -> None:
         key = self._key_of[page]

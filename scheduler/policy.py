@@ -72,6 +72,10 @@ class Batch:
     copied: list[Sequence] = field(default_factory=list)
     work: int = 0  # keys the step's attention reads (step_cost.chunk_work)
     prefill_padded: int = 0  # prompt tokens as computed: whole query blocks
+    # Each sequence's preemption count when the step was launched: a sequence preempted
+    # (and maybe admitted again) since then has nothing to commit from this step.
+    epochs: list[int] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)  # pages it offered the prefix cache
 
     def predicted(self, cost: StepCostModel) -> float:
         """The step-cost model's estimate of this step's seconds."""
@@ -88,9 +92,11 @@ class Scheduler(ItlPlanning):
         limits: StepLimits,
         clock: Callable[[], float] = time.monotonic,
         adapter_slots: int = 0,
+        max_context: int = 0,
     ) -> None:
         self.config = config
         self.limits = limits
+        self.max_context = max_context  # positions the model has (0: not said)
         self.clock = clock
         self.pages = PageAllocator(num_pages, page_size, prefix_cache=config.prefix_cache)
         self.adapters = AdapterSlots(adapter_slots)
@@ -345,11 +351,15 @@ class Scheduler(ItlPlanning):
             i += 1
             if seq.phase is not decode:
                 continue
+            if seq.inflight and self._last_in_flight(seq):
+                continue  # the step in flight samples its last token: it ends at commit
             if seq.batch:
                 if rows <= 0:
                     continue
                 rows -= 1
-            pos = len(seq.token_ids) - 1  # the last sampled token is written at its position
+            # The last sampled token is written at its position (with a token in flight,
+            # that one: a pending chunk).
+            pos = len(seq.token_ids) - 1 + seq.inflight
             idx = pos // ps
             table = seq.kv_pages
             grow = idx >= len(table)
@@ -474,6 +484,7 @@ class Scheduler(ItlPlanning):
         self.pages.free(seq)
         self._release_adapter(seq)
         seq.num_computed_tokens = 0
+        seq.inflight = 0  # a token sampled in flight is dropped (`commit`): recomputed
         seq.num_preemptions += 1
         seq.queued_at = self.clock()
         self.num_preemptions += 1
@@ -492,20 +503,61 @@ class Scheduler(ItlPlanning):
         n = batch.num_decode
         self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
 
+    def _last_in_flight(self, seq: Sequence) -> bool:
+        """The token in flight is the sequence's last: max_tokens or the context."""
+        n = seq.num_generated + seq.inflight
+        return n >= seq.max_tokens or bool(
+            self.max_context and seq.num_tokens + seq.inflight >= self.max_context)
+
+    def launched(self, batch: Batch) -> None:
+        """The step is on its way (its plan packed): its chunks count as computed, and a
+        chunk that samples leaves its token in flight, so the next step can be planned
+        before this one's result is back (overlapped scheduling; without overlap the
+        engine commits right after)."""
+        batch.epochs = [seq.num_preemptions for seq in batch.seqs]
+        ps = self.pages.page_size
+        for seq, chunk in zip(batch.seqs, batch.plan.chunks):
+            if seq.aborted or not seq.is_running:
+                continue
+            start = chunk.start_pos
+            end = start + len(chunk.token_ids)
+            if end > seq.num_computed_tokens:
+                seq.num_computed_tokens = end
+            # Its full pages join the prefix cache now (a step reading them runs after
+            # this one), but not a page whose last token is still in flight: `commit`.
+            if not chunk.pending and end // ps > start // ps:
+                batch.registered += self.pages.register(seq, start // ps, end // ps)
+            if chunk.sample:
+                seq.inflight += 1
+                seq.phase = Phase.DECODE
+
+    def forget(self, batch: Batch) -> list[Sequence]:
+        """A launched step failed: the pages it offered the cache hold nothing. Returns
+        the running sequences outside it that had taken them as prefix hits."""
+        lost = set(batch.registered)
+        if not lost:
+            return []
+        self.pages.forget(lost)
+        inside = {id(s) for s in batch.seqs}
+        return [s for s in self.running.values()
+                if id(s) not in inside and not lost.isdisjoint(s.kv_pages)]
+
     def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
-        """Record what the step computed; returns the sequences that got a new token (the
-        token already appended). Sequences aborted during the step are skipped."""
+        """Record what a `launched` step computed; returns the sequences that got a new
+        token (the token already appended). Sequences aborted, finished or preempted
+        since the launch are skipped (a token of theirs is dropped)."""
+        if not batch.epochs and batch.seqs:
+            self.launched(batch)  # a caller that steps synchronously (simulations)
         ps = self.pages.page_size
         out = []
         sampled = result.sampled
-        for seq, chunk in zip(batch.seqs, batch.plan.chunks):
-            if seq.aborted or not seq.is_running:
+        for seq, chunk, epoch in zip(batch.seqs, batch.plan.chunks, batch.epochs):
+            if seq.aborted or not seq.is_running or seq.num_preemptions != epoch:
                 continue  # aborted while the step ran: the engine ends it next
-            before = seq.num_computed_tokens
-            after = chunk.start_pos + len(chunk.token_ids)
-            seq.num_computed_tokens = after
-            if after // ps > before // ps:
-                self.pages.register(seq, before // ps, after // ps)
+            start = chunk.start_pos
+            end = start + len(chunk.token_ids)
+            if chunk.pending and end // ps > start // ps:  # its token is known now
+                self.pages.register(seq, start // ps, end // ps)
             if chunk.score_targets:
                 scores = result.prompt_logprobs.get(seq.seq_id)
                 if scores is None:
@@ -515,11 +567,11 @@ class Scheduler(ItlPlanning):
                 tok = sampled.get(seq.seq_id)
                 if tok is None:
                     raise RuntimeError(f"runner returned no token for seq {seq.seq_id}")
+                seq.inflight = max(0, seq.inflight - 1)
                 seq.token_ids.append(tok.token_id)
                 seq.output_ids.append(tok.token_id)
                 if seq.adapter is not None:
                     self.adapters.tokens[seq.adapter] += 1
-                seq.phase = Phase.DECODE
                 out.append((seq, tok))
         return out
 

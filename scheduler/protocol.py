@@ -12,7 +12,10 @@ Invariants a runner may rely on:
   (shared prefix pages are never written: copy-on-write happens through `copies`);
 - `copies` run before any chunk of the same plan reads or writes the pool;
 - `adapter_loads` fill their adapter slots before the step, and a chunk's `adapter_slot`
-  holds its adapter for as long as the sequence runs.
+  holds its adapter for as long as the sequence runs;
+- a `pending` chunk (overlapped scheduling) is a decode of the token its sequence sampled
+  in the step launched just before this one: the runner takes that token from where its
+  sampler left it (on the device), not from `token_ids`.
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ class SeqChunk:
     # runner answers with each scored token's logprob and top `score_top` alternatives.
     score_targets: Sequence[int] = ()
     score_top: int = 0
+    # Overlapped scheduling: the chunk's one token is the one this sequence sampled in the
+    # step launched just before (not known on the host yet; `token_ids` holds -1). Only a
+    # one-token decode chunk is ever pending.
+    pending: bool = False
 
 
 @dataclass(slots=True)
@@ -129,6 +136,12 @@ class StepResult:
     # seq_id -> why its row could not be sampled (the model's logits were NaN or infinite):
     # that request fails alone; it has no entry in `sampled`.
     failed: dict[int, str] = field(default_factory=dict)
+    # Seconds the computation stood idle between the previous step's end and this step's
+    # start (0: not measured). Overlapped scheduling exists to bring it to zero.
+    idle_seconds: float = 0.0
+    # Seconds `collect` (or `step`) blocked waiting for the computation to finish (0: not
+    # measured): the rest of an iteration is host work.
+    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +183,12 @@ class Runner(Protocol):
     def step(self, plan: StepPlan) -> StepResult:
         """Run one step. Called from a worker thread, one at a time."""
         ...
+
+    # A runner that can overlap (scheduler/engine.py) also has the two halves of `step`:
+    # `launch(plan)` packs the plan and starts its computation without waiting for it
+    # (returns a handle), `collect(handle)` waits for that step and returns its
+    # StepResult. Steps are collected in launch order, at most one launched ahead; a
+    # plan launched while another is uncollected may hold `pending` chunks.
 
     def drop_adapter(self, name: str) -> None:
         """Forget an adapter no live sequence uses any more (it was unloaded)."""

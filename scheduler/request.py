@@ -12,6 +12,10 @@ Token bookkeeping, the one thing to hold in mind:
 - ``num_computed_tokens`` counts positions whose K/V is in the pool (prefix-cache hits
   included). A sequence is decoding when exactly one token, the last sampled one, is not
   yet computed; before that it is prefilling (in chunks).
+- With overlapped scheduling, a launched step's chunks count as computed at once
+  (`Scheduler.launched`), and a chunk that samples leaves ``inflight = 1``: the next
+  step is planned with that token's position (a `pending` chunk) before its value is
+  known. ``token_ids`` only ever holds known tokens.
 - Preemption by recompute sets ``num_computed_tokens`` back to 0 and releases the pages;
   ``token_ids`` stays, so on return the prompt *and* the tokens already streamed are
   prefilled again (mostly prefix-cache hits), and the next sampled token continues the
@@ -44,7 +48,7 @@ class Sequence:
         "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
-        "finished_at", "finish_reason", "num_preemptions", "aborted", "output",
+        "finished_at", "finish_reason", "num_preemptions", "aborted", "output", "inflight",
     )
 
     def __init__(
@@ -98,6 +102,9 @@ class Sequence:
         self.num_preemptions = 0
         self.aborted = False
         self.output: Any = None  # the engine's OutputStream (decoder, stops, outbox)
+        # Overlapped scheduling: 1 while a launched step has sampled this sequence's next
+        # token and the host has not seen it yet (position `len(token_ids)`).
+        self.inflight = 0
 
     # -- what the policy asks ------------------------------------------------------------
     @property
@@ -131,6 +138,12 @@ class Sequence:
                 self.prompt_scores.append(s)
 
     @property
+    def needs_host_token(self) -> bool:
+        """Its next step needs its last token on the host (a grammar's allowed-token mask,
+        penalties' token counts): never planned with a token in flight."""
+        return self.constraint is not None or self.sampling.needs_penalties
+
+    @property
     def is_running(self) -> bool:
         return self.phase is Phase.PREFILL or self.phase is Phase.DECODE
 
@@ -146,8 +159,19 @@ class Sequence:
         return (1 if self.batch else 0, self.priority, self.arrived_at, self.arrival_order)
 
     def chunk(self, start: int, n: int) -> SeqChunk:
-        """What the runner gets to compute positions ``[start, start + n)``."""
+        """What the runner gets to compute positions ``[start, start + n)``; with a token
+        in flight, ``chunk(len(token_ids), 1)`` is its pending decode."""
         end = start + n
+        known = len(self.token_ids)
+        if end > known:  # the token the step in flight samples
+            if not (self.inflight and n == 1 and start == known):
+                raise ValueError(f"chunk [{start}, {end}) of {self!r}: past the known "
+                                 f"tokens and not the one in flight")
+            return SeqChunk(
+                seq_id=self.seq_id, token_ids=[-1], start_pos=start, page_table=self.kv_pages,
+                sample=True, sampling=self.sampling, num_generated=len(self.output_ids) + 1,
+                penalty_token_ids=self.output_ids, prompt_token_ids=self.prompt_ids,
+                adapter_slot=self.adapter_slot, pending=True)
         targets: list[int] = []
         if self.scoring_prompt:
             last, known = len(self.prompt_ids) - 1, len(self.prompt_scores)

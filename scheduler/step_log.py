@@ -31,6 +31,7 @@ class StepRecord:
     predicted_s: float = 0.0  # the step-cost model's estimate when it was planned
     compute_s: float = 0.0  # the runner's step less its own host work (packing)
     host_s: float = 0.0  # the rest of the iteration: planning, packing, commit, delivery
+    idle_s: float = 0.0  # the computation's idle gap before this step (within host_s)
 
 
 # Measured / predicted step time: how far the step-cost model's estimate (what admission
@@ -69,21 +70,24 @@ class StepLog:
         self.prediction = Histogram(PREDICTION_BUCKETS)  # measured / predicted
         self.host = Histogram(HOST_BUCKETS)  # host seconds per step
         self.compute_s = 0.0  # seconds of step computation (StepRecord.compute_s)
+        self.idle_s = 0.0  # seconds the computation stood idle between steps (idle_s)
 
     def record(self, batch: Batch, started_at: float, ended_at: float, *,
                real_tokens: int = 0, padded_tokens: int = 0,
                error: str | None = None, predicted_s: float = 0.0,
                measured_s: float = 0.0, compute_s: float = 0.0,
-               host_s: float = 0.0) -> StepRecord:
+               host_s: float = 0.0, idle_s: float = 0.0) -> StepRecord:
         """Log a step. A failed one (`error` set) computed nothing: it counts as a step
         and as busy time, but adds no tokens. `predicted_s` / `measured_s`: the step-cost
         model's estimate and the runner's time, when both are known; `compute_s` /
-        `host_s`: the step's computation and the iteration's host work around it."""
+        `host_s`: the step's computation and the iteration's host work around it;
+        `idle_s`: the part of that host work the computation waited for."""
         if predicted_s > 0 and measured_s > 0 and error is None:
             self.prediction.add(measured_s / predicted_s)
         if error is None and (compute_s > 0 or host_s > 0):
             self.host.add(host_s)
             self.compute_s += compute_s
+            self.idle_s += idle_s
         plan, nd = batch.plan, batch.num_decode
         rec = StepRecord(
             index=self.steps, started_at=started_at, ended_at=ended_at,
@@ -91,7 +95,7 @@ class StepLog:
             prefilled=tuple((c.seq_id, len(c.token_ids)) for c in plan.chunks[nd:]),
             real_tokens=real_tokens, padded_tokens=padded_tokens, copies=len(plan.copies),
             preempted=tuple(batch.preempted), error=error, predicted_s=predicted_s,
-            compute_s=compute_s, host_s=host_s)
+            compute_s=compute_s, host_s=host_s, idle_s=idle_s)
         self.records.append(rec)
         self.steps += 1
         self.busy_s += ended_at - started_at
@@ -107,4 +111,5 @@ class StepLog:
                     padded_tokens=self.padded_tokens, prompt_tokens=self.prompt_tokens,
                     generation_tokens=self.generation_tokens,
                     step_prediction=self.prediction.snapshot(),
-                    step_host=self.host.snapshot(), compute_s=self.compute_s)
+                    step_host=self.host.snapshot(), compute_s=self.compute_s,
+                    idle_s=self.idle_s)

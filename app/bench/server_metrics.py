@@ -161,8 +161,7 @@ class Sampler:
         real, padded = d("step_real_tokens"), d("step_padded_tokens")
         real_fraction = real / padded if padded else None
         host = histogram_delta(self.first, self.last, "step_host_seconds")
-        compute = d("step_compute_seconds")
-        host_s = host["mean"] * host["count"] if host else 0.0
+        compute, idle = d("step_compute_seconds"), d("step_idle_seconds")
         return {
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "prefix_cache_hit_tokens": hits,
@@ -179,11 +178,13 @@ class Sampler:
             "step_time_prediction_ratio": histogram_delta(self.first, self.last,
                                                           "step_time_prediction_ratio"),
             # Host work per step around its computation, and the share of the engine's
-            # iterations the computation idles for it (between steps).
+            # time the computation stood idle between steps, waiting for host work (with
+            # overlapped scheduling, only what did not fit beside the step before).
             "step_host_seconds": host,
             "step_compute_seconds": compute,
-            "device_idle_between_steps": (host_s / (host_s + compute)
-                                          if host_s + compute > 0 else None),
+            "step_idle_seconds": idle,
+            "device_idle_between_steps": (idle / (idle + compute)
+                                          if idle + compute > 0 else None),
             "preemptions": d("num_preemptions"),
             "prompt_tokens": d("prompt_tokens"),
             "generation_tokens": d("generation_tokens"),

@@ -38,6 +38,17 @@ class FaultyRunner:
         return getattr(self.inner, name)
 
     def step(self, plan):
+        self._before(plan)
+        return self.inner.step(plan)
+
+    def launch(self, plan):  # overlapped scheduling's half of a step (the engine's)
+        self._before(plan)
+        return self.inner.launch(plan)
+
+    def collect(self, handle):
+        return self.inner.collect(handle)
+
+    def _before(self, plan) -> None:
         self.steps += 1
         if self.fail_always or self.fail_next > 0:
             self.fail_next = max(0, self.fail_next - 1)
@@ -47,7 +58,6 @@ class FaultyRunner:
             if chunk.seq_id in self.poison:
                 self.poison.discard(chunk.seq_id)
                 self._poison_pages(chunk.page_table)
-        return self.inner.step(plan)
 
     def _poison_pages(self, pages: Sequence[int]) -> None:
         r = self.inner

@@ -12,6 +12,11 @@ It also checks the `StepPlan` invariants the real runner relies on (page ids in 
 page tables covering the chunk, limits, no chunk writing a page another chunk reads) and
 records every plan as plain tuples (page tables are live lists in the engine).
 
+Overlapped scheduling: `launch` computes the step at once and `collect` hands its result
+back. A `pending` chunk's token is the one the fake sampled for that sequence in the step
+launched just before (anything else fails the step), so an engine that fed a wrong or
+stale token would make the outputs differ from `reference()`.
+
 LoRA adapters: the fake holds `adapter_slots` slots, filled by the plan's
 `adapter_loads`; a chunk's tokens run under the adapter its slot holds *now*, which adds
 `adapter_offset(name)` to the rule's token. A sequence whose slot was given to another
@@ -52,6 +57,7 @@ class ChunkRecord:
     sample: bool
     num_generated: int
     adapter_slot: int = -1
+    pending: bool = False  # its token came from the step before (resolved here)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class FakeRunner:
         self.slots: list[str | None] = [None] * adapter_slots  # what each slot holds
         self.dropped: list[str] = []  # adapters the engine said nothing needs any more
         self.registered: set[str] | None = None  # None: any name loads (scheduler tests)
+        self.can_overlap = True  # what the engine asks before it overlaps steps
+        self._last_sampled: dict[int, int] = {}  # the last launched step's tokens
 
     def add_adapter(self, adapter) -> None:
         """Register an adapter (anything with `.name`); once any is, loading an unknown
@@ -128,11 +136,23 @@ class FakeRunner:
             ctx.append(t)
         return out
 
+    def launch(self, plan: StepPlan) -> StepResult:
+        return self.step(plan)
+
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
+
     def step(self, plan: StepPlan) -> StepResult:
+        last, self._last_sampled = self._last_sampled, {}
+        for c in plan.chunks:
+            if c.pending:
+                assert len(c.token_ids) == 1 and c.seq_id in last, \
+                    f"seq {c.seq_id}: pending token not sampled by the step before"
         rec = PlanRecord(
-            chunks=tuple(ChunkRecord(c.seq_id, c.start_pos, tuple(c.token_ids),
+            chunks=tuple(ChunkRecord(c.seq_id, c.start_pos,
+                                     (last[c.seq_id],) if c.pending else tuple(c.token_ids),
                                      tuple(c.page_table), c.sample, c.num_generated,
-                                     c.adapter_slot)
+                                     c.adapter_slot, c.pending)
                          for c in plan.chunks),
             copies=tuple(plan.copies), adapter_loads=tuple(plan.adapter_loads))
         self.plans.append(rec)
@@ -165,6 +185,7 @@ class FakeRunner:
                     assert adapter is not None, f"seq {c.seq_id}: slot {c.adapter_slot} empty"
                 token = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
                 sampled[c.seq_id] = SampledToken(token_id=token, logprob=-1.0)
+        self._last_sampled = {k: t.token_id for k, t in sampled.items()}
         real = rec.num_tokens
         # Prompt scoring: a made-up logprob that says which position and target it is.
         scores = {c.seq_id: [None if t < 0 else SampledToken(t, -(pos + t / 1000))
