@@ -2,7 +2,7 @@
 
     sluice serve [--config FILE] [--host H] [--port P] [--model SRC] [--max-waiting N]
                  [--max-running N] [--scheduling continuous|static] [--no-prefix-cache]
-                 [--ttft-target S]
+                 [--no-overlap] [--ttft-target S]
                  [--coordinator HOST:PORT --num-processes N --process-id I]  (multi-host)
     sluice chat [--url URL] [--model NAME] [--api-key KEY]   (a running server)
     sluice generate PROMPT [--model SRC]                     (no HTTP: the engine directly)
@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                         "static: the group size too)")
     s.add_argument("--scheduling", choices=["continuous", "static"])
     s.add_argument("--no-prefix-cache", action="store_true")
+    s.add_argument("--no-overlap", action="store_true",
+                   help="plan each step only after the last one's tokens are back (the "
+                        "scheduler's overlap off, to compare)")
     s.add_argument("--ttft-target", type=float, metavar="S",
                    help="refuse (429) requests predicted to wait longer for their first "
                         "token (default: the config's ttft_target_s, 1 s); 0: never")
@@ -148,6 +151,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, mode=args.scheduling)
         if getattr(args, "no_prefix_cache", False):
             sched = replace(sched, prefix_cache=False)
+        if getattr(args, "no_overlap", False):
+            sched = replace(sched, overlap=False)
         if getattr(args, "ttft_target", None) is not None:
             sched = replace(sched, ttft_target_s=args.ttft_target)
         if getattr(args, "itl_target", None) is not None:

@@ -3,9 +3,9 @@ embedded model as the default preset runs it (int8 weights where the CPU kernel 
 driven through the engine, runs alternating between `overlap = false` and `true`.
 
 Two workloads:
-- `decode16`: 16 requests with distinct 500-token prompts, 96 tokens each (ignore_eos):
-  tokens/s over the steps that decode all 16 (nothing else in them), as bench-engine's
-  decode-of-16 but through the engine loop;
+- `decode16`: 16 requests with distinct 500-token prompts, 256 tokens each (ignore_eos;
+  prompts prefilled at the full step budget): tokens/s over the steps that decode all 16
+  (nothing else in them), as bench-engine's decode-of-16 but through the engine loop;
 - `shared`: 48 requests at concurrency 16 (closed loop), a 2,000-token system prompt
   and a short question each, 64 tokens: output tokens/s and ITL p50 / p95.
 
@@ -45,7 +45,10 @@ def pct(xs, q):
 
 
 async def drive(runner, tok, overlap: bool, workload: str) -> dict:
-    cfg = SchedulerConfig(overlap=overlap, ttft_target_s=0.0, max_waiting=256)
+    # decode16: prompts prefilled at the full step budget, so that all 16 decode together
+    # soon (beside decodes, adaptive prefill would spread them over many steps).
+    cfg = SchedulerConfig(overlap=overlap, ttft_target_s=0.0, max_waiting=256,
+                          adaptive_prefill=workload != "decode16")
     eng = Engine(runner, tok, cfg)
     rng = np.random.default_rng(0)
     gaps: list[float] = []
@@ -72,7 +75,7 @@ async def drive(runner, tok, overlap: bool, workload: str) -> dict:
         if workload == "decode16":
             async with trio.open_nursery() as inner:
                 for _ in range(16):
-                    inner.start_soon(one, rng.integers(10, 40000, 500).tolist(), 96)
+                    inner.start_soon(one, rng.integers(10, 40000, 500).tolist(), 256)
         else:
             system = rng.integers(10, 40000, 2000).tolist()
             queue = [system + rng.integers(10, 40000, 24).tolist() for _ in range(48)]

@@ -57,7 +57,7 @@ Failures are contained to the requests they touch (docs/reliability.md):
 - an exception while turning one sequence's token into output (its detokenizer, stop
   strings, grammar) ends that request alone (`_output_failed`).
 
-(About 530 lines: the loop, submit/abort and the one path that ends a request stay
+(About 560 lines: the loop, submit/abort and the one path that ends a request stay
 together, with structured output's token hand-off, `n` choices' shared channel and the
 overlap of launch and commit; admission and the step log live in their own modules.)
 """
@@ -140,6 +140,7 @@ class Engine:
         self._iter_from: float | None = None
         self._last_end = -math.inf  # when the last committed step ended
         self._launches = 0  # steps launched so far
+        self._host = 0.0  # the engine's host work since the last step was logged
         self._failed_index = 0  # the last failed step's launch index
         # Steps launched and not yet committed, oldest first (at most two, for a moment).
         self._flight: list[_Launched] = []
@@ -255,6 +256,7 @@ class Engine:
                     break
                 if self._iter_from is None:
                     self._iter_from = self.clock()
+                t_plan = self.clock()
                 self._seed_costs()
                 self._end_deferred_aborts()
                 self._shed_expired()
@@ -265,6 +267,7 @@ class Engine:
                     await self._finish(prev)  # its tokens are needed to plan the next step
                     continue
                 batch = self.scheduler.schedule()
+                self._host += self.clock() - t_plan
                 if batch is None:
                     if prev is not None:
                         await self._finish(prev)
@@ -325,6 +328,7 @@ class Engine:
         try:
             handle = await trio.to_thread.run_sync(self._runner_launch, batch.plan,
                                                    limiter=self._limiter)
+            self._host += self.clock() - t0  # packing, queueing the programs
         except Exception as exc:  # the runner failed this step
             if not self._flight:
                 self._step_ends_at = None
@@ -342,6 +346,7 @@ class Engine:
     async def _finish(self, launched: _Launched) -> None:
         """Wait for a launched step (the oldest in flight) and commit its results."""
         batch, t0 = launched.batch, launched.t0
+        t_collect = self.clock()
         try:
             result = await trio.to_thread.run_sync(self._runner_collect, launched.handle,
                                                    limiter=self._limiter)
@@ -355,6 +360,7 @@ class Engine:
             self._flight.remove(launched)
             if not self._flight:
                 self._step_ends_at = None
+        t_commit = self.clock()
         for seq in batch.seqs:  # rows the runner could not sample (non-finite logits)
             if (why := result.failed.get(seq.seq_id)) is not None and seq.is_running:
                 self._end_request(seq, "error", ErrorEvent(message=f"model step failed: {why}"))
@@ -374,14 +380,17 @@ class Engine:
             except Exception as exc:  # this request's output alone is broken
                 self._output_failed(seq, exc)
         self._end_deferred_aborts()
-        # Host work: the iteration (from the previous step's end) less the time spent
-        # waiting for the computation; the computation's idle gap before this step, as
-        # the runner measured it, within that.
+        # Host work: the engine's own, this iteration (planning the next step, packing
+        # and queueing it, reading this one back, commit, detokenizing, delivery), over-
+        # lapped with a computation or not; the computation's idle gap before this step,
+        # as the runner measured it, within the iteration (not while the engine idled).
         end = self.clock()
         compute = max(0.0, result.device_seconds - result.host_seconds)
+        readback = max(0.0, t_commit - t_collect - result.wait_seconds) \
+            if result.wait_seconds else 0.0
+        host, self._host = self._host + readback + end - t_commit, 0.0
         wall = end - (t0 if self._iter_from is None else self._iter_from)
-        host = max(0.0, wall - (result.wait_seconds if result.wait_seconds else compute))
-        idle = min(result.idle_seconds, host) if result.idle_seconds else 0.0
+        idle = min(result.idle_seconds, wall) if result.idle_seconds else 0.0
         self._iter_from = end
         # Steps' intervals in the log do not overlap: one launched while the previous ran
         # starts, for the record, when that one ended.

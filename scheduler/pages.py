@@ -24,7 +24,12 @@ wrong K/V. Only full pages are registered; a partial last page is private.
 Registered pages and pages with ``ref > 1`` are immutable: a sequence that must write into
 one (its whole prompt was a hit, so the last position is recomputed into the last page)
 first gets a private copy; the (src, dst) pair goes into `StepPlan.copies`, which the
-runner executes before any chunk of that step.
+runner executes before any chunk of that step. Pages are registered when the step that
+computes them is launched (any step that reads them runs after it); if that step fails,
+`forget` takes them back out.
+
+(About 360 lines: allocation, the prefix cache and its audit share the three-state books
+above and are kept together.)
 """
 
 from __future__ import annotations

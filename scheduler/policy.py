@@ -35,7 +35,7 @@ With an ITL target (`itl_target_s`), every step that carries a decode is planned
 `itl_plan.py`, a mixin of `Scheduler`.
 
 Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
-to ~550 lines: the whole per-iteration policy and the queries admission reads of it, read
+to ~600 lines: the whole per-iteration policy and the queries admission reads of it, read
 in one place; the arithmetic of the batch share, of adapter residency, of step costs and
 the ITL planning live in background.py, adapters.py, step_cost.py and itl_plan.py.)
 """

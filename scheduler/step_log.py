@@ -30,8 +30,12 @@ class StepRecord:
     error: str | None = None
     predicted_s: float = 0.0  # the step-cost model's estimate when it was planned
     compute_s: float = 0.0  # the runner's step less its own host work (packing)
-    host_s: float = 0.0  # the rest of the iteration: planning, packing, commit, delivery
-    idle_s: float = 0.0  # the computation's idle gap before this step (within host_s)
+    # The engine's host work this iteration: planning, packing, reading back, commit,
+    # detokenizing, delivery (beside the next step's computation when overlapped).
+    host_s: float = 0.0
+    # The computation's idle gap before this step: host work it waited for, the engine's
+    # and other tasks' on the event loop (overlapped: only what did not fit in a step).
+    idle_s: float = 0.0
 
 
 # Measured / predicted step time: how far the step-cost model's estimate (what admission
@@ -80,8 +84,8 @@ class StepLog:
         """Log a step. A failed one (`error` set) computed nothing: it counts as a step
         and as busy time, but adds no tokens. `predicted_s` / `measured_s`: the step-cost
         model's estimate and the runner's time, when both are known; `compute_s` /
-        `host_s`: the step's computation and the iteration's host work around it;
-        `idle_s`: the part of that host work the computation waited for."""
+        `host_s`: the step's computation and the engine's host work around it;
+        `idle_s`: how long the computation waited for host work before it."""
         if predicted_s > 0 and measured_s > 0 and error is None:
             self.prediction.add(measured_s / predicted_s)
         if error is None and (compute_s > 0 or host_s > 0):

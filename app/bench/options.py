@@ -202,7 +202,8 @@ def sweep_parser() -> argparse.ArgumentParser:
       help="running servers, e.g. continuous=http://127.0.0.1:8000")
     a("--spawn", action="append", type=_spawn, default=[], metavar="LABEL:ARGS",
       help='start `sluice serve --host 127.0.0.1 --port P ARGS` for this target, e.g. '
-           '"static:--scheduling static" (repeatable; one server at a time)')
+           '"static:--scheduling static" (repeatable; one server at a time, measured once '
+           'every step shape has compiled)')
     a("--itl-targets", type=_seconds, metavar="S,S,...",
       help="spawn one server per ITL target (`sluice serve --itl-target S SERVE_ARGS`; 0 = "
            "off), e.g. 0,0.1,0.15,0.2,0.3, and chart latency, throughput and refusals "

@@ -43,7 +43,13 @@ def sluice_command(text: str | None) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
 
 
-async def wait_healthy(url: str, proc: trio.Process, timeout_s: float, log: Path) -> None:
+async def wait_healthy(url: str, proc: trio.Process, timeout_s: float, log: Path, *,
+                       warm: bool = False) -> None:
+    """Until /health is 200; `warm`: and no step shape is still compiling in the
+    background. A server spawned for a benchmark is measured warm (its first minutes are
+    what `sluice bench-engine` and benchmarks/serve_start.sh measure), so a compile
+    competing for the cores cannot slow the first requests' steps and teach the
+    step-cost model a wrong start."""
     async with httpx.AsyncClient(base_url=url, timeout=5.0, trust_env=False) as http:
         with trio.move_on_after(timeout_s):
             while True:
@@ -51,12 +57,15 @@ async def wait_healthy(url: str, proc: trio.Process, timeout_s: float, log: Path
                     raise SpawnError(f"the server exited with {proc.returncode} before it was "
                                      f"ready; its log ({log}) ends:\n{_tail(log)}")
                 try:
-                    if (await http.get("/health")).status_code == 200:
+                    r = await http.get("/health")
+                    if r.status_code == 200 and not (
+                            warm and r.json().get("warmup_remaining_shapes")):
                         return
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     pass  # not listening yet
                 await trio.sleep(1.0)
-        raise SpawnError(f"{url}/health was not 200 within {timeout_s} s; log: {log}")
+        raise SpawnError(f"{url}/health was not 200{' with every shape compiled' * warm} "
+                         f"within {timeout_s} s; log: {log}")
 
 
 def _tail(log: Path, lines: int = 20) -> str:
@@ -83,7 +92,7 @@ async def spawned(label: str, args: str, *, command: Sequence[str], log_dir: Pat
         proc = await trio.lowlevel.open_process(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL)
         try:
-            await wait_healthy(url, proc, ready_timeout_s, log)
+            await wait_healthy(url, proc, ready_timeout_s, log, warm=True)
             yield url
         finally:
             with trio.CancelScope(shield=True):

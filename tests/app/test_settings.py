@@ -86,7 +86,8 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys):
 def test_cli_overrides():
     args = _parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "9000", "--model",
                                  "random:tiny", "--max-waiting", "3", "--scheduling",
-                                 "static", "--no-prefix-cache", "--max-running", "8"])
+                                 "static", "--no-prefix-cache", "--max-running", "8",
+                                 "--no-overlap"])
     s = settings_from(args)
     assert (s.server.host, s.server.port) == ("0.0.0.0", 9000)
     pool = s.pools[0]
@@ -94,5 +95,7 @@ def test_cli_overrides():
     assert (pool.scheduler.max_waiting, pool.scheduler.mode, pool.scheduler.prefix_cache) == (
         3, "static", False)
     assert (pool.scheduler.max_running, pool.scheduler.static_batch_size) == (8, 8)
+    assert pool.scheduler.overlap is False
     plain = settings_from(_parser().parse_args(["serve"]))
+    assert plain.pools[0].scheduler.overlap is True
     assert plain == load_settings()
