@@ -99,6 +99,7 @@ async def test_stats_report_what_ran_and_agree_with_metrics():
             assert f'sluice:{family}_bucket{{le="+Inf",model="fake-model",pool="test"}}' \
                 in metrics
         assert 'sluice:step_compute_seconds_total{model="fake-model",pool="test"}' in metrics
+        assert 'sluice:step_idle_seconds_total{model="fake-model",pool="test"}' in metrics
         # steps_since: only what ran after
         last = rep["last_step_index"]
         again = (await c.get("/v1/stats", params={"steps_since": f"test/0:{last}"})).json()
