@@ -592,8 +592,6 @@ class ModelRunner:
 
     def collect(self, handle: Launched | StepResult) -> StepResult:
         """Wait for a launched step (in launch order) and read its result back."""
-        if isinstance(handle, StepResult):
-            return handle
         return self._collect(handle)
 
     def _launch(self, plan: StepPlan) -> Launched | StepResult:

@@ -163,36 +163,32 @@ class Sequence:
         in flight, ``chunk(len(token_ids), 1)`` is its pending decode."""
         end = start + n
         known = len(self.token_ids)
-        if end > known:  # the token the step in flight samples
-            if not (self.inflight and n == 1 and start == known):
-                raise ValueError(f"chunk [{start}, {end}) of {self!r}: past the known "
-                                 f"tokens and not the one in flight")
-            return SeqChunk(
-                seq_id=self.seq_id, token_ids=[-1], start_pos=start, page_table=self.kv_pages,
-                sample=True, sampling=self.sampling, num_generated=len(self.output_ids) + 1,
-                penalty_token_ids=self.output_ids, prompt_token_ids=self.prompt_ids,
-                adapter_slot=self.adapter_slot, pending=True)
+        pending = end > known  # the token the step in flight samples
+        if pending and not (self.inflight and n == 1 and start == known):
+            raise ValueError(f"chunk [{start}, {end}) of {self!r}: past the known "
+                             f"tokens and not the one in flight")
         targets: list[int] = []
         if self.scoring_prompt:
-            last, known = len(self.prompt_ids) - 1, len(self.prompt_scores)
-            targets = [self.prompt_ids[i + 1] if known <= i < last else -1
+            last, scored = len(self.prompt_ids) - 1, len(self.prompt_scores)
+            targets = [self.prompt_ids[i + 1] if scored <= i < last else -1
                        for i in range(start, end)]
             if max(targets) < 0:
                 targets = []
         return SeqChunk(
             seq_id=self.seq_id,
-            token_ids=self.token_ids[start:end],
+            token_ids=[-1] if pending else self.token_ids[start:end],
             start_pos=start,
             page_table=self.kv_pages,  # the live list: nothing mutates it during the step
-            sample=end == len(self.token_ids),
+            sample=end >= known,
             sampling=self.sampling,
-            num_generated=len(self.output_ids),
+            num_generated=len(self.output_ids) + pending,
             penalty_token_ids=self.output_ids,
             prompt_token_ids=self.prompt_ids,
             adapter_slot=self.adapter_slot,
-            constraint=self.constraint if end == len(self.token_ids) else None,
+            constraint=self.constraint if end == known else None,
             score_targets=targets,
             score_top=self.prompt_logprobs or 0,
+            pending=pending,
         )
 
     def finish_event(self) -> FinishEvent:
