@@ -47,7 +47,7 @@ def main() -> int:
         q = jnp.asarray(rng.standard_normal((rows, 1, KVH * G, D)).astype(np.float32))
         res = {}
         for native in (True, False):
-            be = make_backend("cpu", pool, native_decode=native, prefix_copy_tokens=0)
+            be = make_backend("cpu", pool, native=native, prefix_copy_tokens=0)
             meta = be.prepare((k, v), (group, GroupLayout.empty(0, width)),
                               np.zeros(1, np.int32), [])[0]
 

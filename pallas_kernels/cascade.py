@@ -26,7 +26,7 @@ _NEG = -1e30  # masked score (finite: -inf - -inf would be NaN)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "shared_pages_per_block",
-                                             "row_groups", "native_decode"))
+                                             "row_groups"))
 def cascade_attention(
     q,  # [rows, queries, heads, head_dim]
     k_pool,  # [layers * pages, page_size, kv_heads, head_dim]
@@ -52,7 +52,6 @@ def cascade_attention(
     pages_per_block: int = 8,
     shared_pages_per_block: int = 64,
     row_groups: tuple[int, ...] = (),
-    native_decode: bool = False,
 ):
     """Causal attention; [rows, queries, heads, head_dim], zeros on padding rows.
 
@@ -72,9 +71,8 @@ def cascade_attention(
     (`row_groups`: sizes of consecutive groups; the rows left over form one more), each
     group only as far as its longest row: a caller that sorts rows by the length of that
     walk (the CPU backend does) saves the blocks short rows would spend masked, waiting
-    for the longest. With `native_decode` (one query per row, f32 pool) the native kernel
-    walks them instead (`native.decode_attention`): each row exactly its own keys, read
-    in place in the pool, merged with its prefix's partial softmax.
+    for the longest. (Where the native kernels build, the CPU backend uses them instead
+    of this function: `cpu.CpuBackend._attend_native`.)
     """
     s, nq, h, d = q.shape
     _, ps, kvh, _ = k_pool.shape
@@ -176,14 +174,6 @@ def cascade_attention(
         carry = lax.fori_loop(0, jnp.sum(part[:, 0] < s), functools.partial(segment, part),
                               carry)
     m1, l1, acc1 = (c[:s] for c in carry)
-
-    if native_decode and nq == 1 and k_pool.dtype == f32 and d % 16 == 0 and g <= 16:
-        from .native import decode_attention
-
-        ctx = jnp.where(query_lens > 0, context_lens, 0)  # padding rows: no keys, zeros
-        out = decode_attention(qg[:, 0], k_pool, v_pool, page_offset, page_tables,
-                               start_tok, ctx, m1[..., 0], l1[..., 0], acc1[..., 0, :])
-        return out.reshape(s, 1, h, d).astype(q.dtype)
 
     # -- each row's own pages, from the end of its shared prefix, in groups of rows --------
     def own_rows(a, b, carry):

@@ -13,6 +13,11 @@ the model or the runner (docs/architecture.md, "Attention backends"):
 - row groups: rows sorted by the length of their own walk (after their prefix), decode
   rows in groups of 8 and prefill blocks in halving groups, each group walking its own
   pages only as far as its longest row.
+
+Where the native kernels build (`native`), attention is theirs instead and only the
+prefix metadata above is used: each shared prefix read once for its decode rows, then
+each row's own pages, and prefill blocks whole (`_attend_native`). (About 370 lines: the
+metadata, the copy and both ways of attending share one plan and stay together.)
 """
 
 from __future__ import annotations
@@ -48,23 +53,20 @@ class CpuBackend(AttentionBackend):
                  shared_pages_per_block: int = 64, decode_rows_per_group: int = 8,
                  group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048,
                  max_prefixes: int = 4, segment_rows: int = 4,
-                 prefix_copies: int = 4, native_decode: bool | None = None,
-                 min_prefix_rows: int = 8) -> None:
+                 prefix_copies: int = 4, native: bool | None = None,
+                 min_prefix_rows: int = 2) -> None:
         super().__init__(pool)
-        # Decode rows' own pages through the native kernel (csrc/decode_attention.cc):
-        # None = where it builds (an f32 pool; it falls back to jnp otherwise).
-        if native_decode is None:
+        # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
+        # where they build and the pool is f32 (otherwise the jnp cascade).
+        if native is None:
             from .native import available
 
-            native_decode = available()[0]
-        self.native_decode = native_decode
-        # With the native walk, a decode group reads a shared prefix through the cascade
-        # only for this many rows or more; fewer walk it themselves (`metadata`): the
-        # cascade's fixed cost (jnp: per layer, a few big blocks and a softmax merge) is
-        # ~30 ms a step here, the native walk ~2.5 ms per row and 1,000 keys
-        # (docs/benchmarks.md, "The ITL target at 0.15 s, and which rows read a
-        # shared prefix").
-        self.min_prefix_rows = max(2, min_prefix_rows) if native_decode else 2
+            native = available()[0]
+        self.native = bool(native) and np.dtype(pool.dtype) == np.float32 and \
+            pool.head_dim % 16 == 0 and pool.head_dim <= 256
+        # A decode group reads a shared prefix once for its rows from this many rows on;
+        # fewer walk it themselves.
+        self.min_prefix_rows = max(2, min_prefix_rows)
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align
         self.pages_per_block = pages_per_block
@@ -74,7 +76,9 @@ class CpuBackend(AttentionBackend):
         self.max_prefixes = max(1, max_prefixes)
         self.segment_rows = max(1, segment_rows)
         self.copy = None
-        if prefix_copy_tokens > 0 and prefix_copies > 0:
+        # The jnp cascade reads prefixes from a gathered copy; the native kernels read
+        # the pages where they lie.
+        if prefix_copy_tokens > 0 and prefix_copies > 0 and not self.native:
             self.copy = PrefixCopy(pool, prefix_copy_tokens, slots=prefix_copies,
                                    block_tokens=self.shared_pages_per_block * pool.page_size)
 
@@ -88,7 +92,7 @@ class CpuBackend(AttentionBackend):
                 "prefix_copy_tokens": self.copy.tokens if self.copy else 0,
                 "prefix_copies": self.copy.slots if self.copy else 0,
                 "max_prefixes": self.max_prefixes,
-                "native_decode": self.native_decode}
+                "native": self.native}
 
     # -- host side --------------------------------------------------------------------------
     def metadata(self, group: GroupLayout, decode: bool | None = None) -> CascadeMeta:
@@ -105,11 +109,15 @@ class CpuBackend(AttentionBackend):
         if decode is None:
             decode = bool((ql <= 1).all())
         n_prefixes = self.max_prefixes if decode else 1
-        # A prefill group's rows read their prompt's earlier pages as a prefix even alone:
-        # in big blocks, not the own walk's small ones (a 16-token question after a
-        # 2,000-token system prompt: 16 loop iterations a layer become 2 and a tail).
-        found = prefix_groups(tables, ctx, ql, ps, self.width,
-                              min_rows=self.min_prefix_rows if decode else 1)[:n_prefixes]
+        # In jnp, a prefill group's rows read their prompt's earlier pages as a prefix
+        # even alone: in big blocks, not the own walk's small ones (a 16-token question
+        # after a 2,000-token system prompt: 16 loop iterations a layer become 2 and a
+        # tail). The native prefill kernel walks each block's pages whole.
+        if self.native and not decode:
+            found = []
+        else:
+            found = prefix_groups(tables, ctx, ql, ps, self.width,
+                                  min_rows=self.min_prefix_rows if decode else 1)[:n_prefixes]
         prefix = np.full(rows, -1, np.int32)
         shared = np.zeros((n_prefixes, self.width), np.int32)
         shared_len = np.zeros(n_prefixes, np.int32)
@@ -166,20 +174,46 @@ class CpuBackend(AttentionBackend):
     def attend(self, q, k_pool, v_pool, layer, meta: CascadeMeta, state):
         rows, queries = q.shape[:2]
         q = q[meta.order]  # the plan's row order, undone at the end
-        if queries == 1:
-            groups = (self.decode_rows_per_group,) * -(-rows // self.decode_rows_per_group)
+        if self.native:
+            out = self._attend_native(q, k_pool, v_pool, layer, meta)
         else:
-            groups = halving_groups(rows) if self.group_prefill_blocks else ()
-        with_copy = state is not None
-        out = cascade_attention(
-            q, k_pool, v_pool, self.page_offset(layer), meta.page_tables, meta.context_lens,
-            meta.query_lens, meta.shared_pages, meta.shared_len, meta.shared_rows, state,
-            layer if with_copy else None, meta.buffered_len if with_copy else None,
-            meta.copy_at if with_copy else None, meta.segments,
-            pages_per_block=self.pages_per_block,
-            shared_pages_per_block=self.shared_pages_per_block, row_groups=groups,
-            native_decode=self.native_decode)
+            if queries == 1:
+                groups = (self.decode_rows_per_group,) * -(-rows // self.decode_rows_per_group)
+            else:
+                groups = halving_groups(rows) if self.group_prefill_blocks else ()
+            with_copy = state is not None
+            out = cascade_attention(
+                q, k_pool, v_pool, self.page_offset(layer), meta.page_tables,
+                meta.context_lens, meta.query_lens, meta.shared_pages, meta.shared_len,
+                meta.shared_rows, state, layer if with_copy else None,
+                meta.buffered_len if with_copy else None,
+                meta.copy_at if with_copy else None, meta.segments,
+                pages_per_block=self.pages_per_block,
+                shared_pages_per_block=self.shared_pages_per_block, row_groups=groups)
         return jnp.zeros_like(out).at[meta.order].set(out)
+
+    def _attend_native(self, q, k_pool, v_pool, layer, meta: CascadeMeta):
+        """Decode rows: each shared prefix once for its rows (lanes), then each row's own
+        pages (`decode_attention`); prefill blocks: each block's queries in lanes."""
+        from .native import decode_attention, prefill_attention, prefix_attention
+
+        rows, queries, heads, d = q.shape
+        kvh = self.pool.kv_heads
+        qg = (q.astype(jnp.float32) * d ** -0.5).reshape(rows, queries, kvh, heads // kvh, d)
+        offset = self.page_offset(layer)
+        if queries == 1:
+            m, l, acc = prefix_attention(qg[:, 0], k_pool, v_pool, offset, meta.shared_pages,
+                                         meta.shared_len, meta.shared_rows)
+            start = jnp.where(meta.shared_rows > 0,
+                              jnp.asarray(meta.shared_len)[jnp.maximum(meta.shared_rows - 1, 0)],
+                              0)
+            ctx = jnp.where(meta.query_lens > 0, meta.context_lens, 0)  # padding: no keys
+            out = decode_attention(qg[:, 0], k_pool, v_pool, offset, meta.page_tables, start,
+                                   ctx, m, l, acc)
+        else:
+            out = prefill_attention(qg, k_pool, v_pool, offset, meta.page_tables,
+                                    meta.context_lens, meta.query_lens)
+        return out.reshape(rows, queries, heads, d).astype(q.dtype)
 
 
 class PrefixCopy:

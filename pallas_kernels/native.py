@@ -1,6 +1,8 @@
 """The CPU backend's native kernels (`csrc/`): built, loaded and registered with XLA here,
 called through `q8_linear` (the int8-weight matmul, model/quant.py) and
-`decode_attention` (each decode row's own pages, pallas_kernels/cascade.py).
+`decode_attention` (each decode row's own pages), `prefix_attention` (a prefix decode rows
+share, read once for all of them) and `prefill_attention` (prefill blocks), the CPU
+backend's attention (pallas_kernels/cpu.py).
 
 They are compiled on this machine the first time a runner asks for them (~10 s with g++;
 `make install` builds it ahead, `python -m pallas_kernels.native`), for this CPU
@@ -9,7 +11,7 @@ path where the CPU has AVX-512 BF16, a portable loop otherwise), and kept in `$S
 the source, the compiler, the flags, jaxlib's version and the CPU's feature flags, so a
 changed source, toolchain or machine builds anew and nothing stale is ever loaded. The
 FFI targets are registered once per process (`sluice_q8_linear`,
-`sluice_decode_attention`).
+`sluice_decode_attention`, `sluice_prefix_attention`, `sluice_prefill_attention`).
 
 Why native code at all: see each kernel's header and docs/benchmarks.md ("int8 weights",
 "decode attention").
@@ -33,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "q8_linear.cc", CSRC / "decode_attention.cc")
+SOURCES = (CSRC / "q8_linear.cc", CSRC / "decode_attention.cc", CSRC / "lane_attention.cc")
 TARGET = "sluice_q8_linear"
 ATTENTION_TARGET = "sluice_decode_attention"
+PREFILL_TARGET = "sluice_prefill_attention"
+PREFIX_TARGET = "sluice_prefix_attention"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-w")
 
 
@@ -105,8 +109,10 @@ def load() -> ctypes.CDLL:
                                 f"{jax.default_backend()!r}")
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
-    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SluiceDecodeAttention),
-                                platform="cpu")
+    for target, symbol in ((ATTENTION_TARGET, lib.SluiceDecodeAttention),
+                           (PREFILL_TARGET, lib.SluicePrefillAttention),
+                           (PREFIX_TARGET, lib.SluicePrefixAttention)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return lib
 
 
@@ -150,6 +156,37 @@ def decode_attention(q, k_pool, v_pool, page_offset, tables, start, ctx, m, l, a
     return jax.ffi.ffi_call(target, out)(
         q.astype(jnp.float32), k_pool, v_pool, i32(page_offset), i32(tables), i32(start),
         i32(ctx), m, l, acc)
+
+
+def prefix_attention(q, k_pool, v_pool, page_offset, pages, length, rows, *,
+                     target: str = PREFIX_TARGET):
+    """Each decode row's partial softmax over its shared prefix: q [S, KVH, G, D]
+    pre-scaled, `pages` [NP, W] and `length` [NP] the prefixes, `rows` [S] 1 + each row's
+    prefix (0: none) -> (m, l [S, KVH, G], acc [S, KVH, G, D]) f32, for
+    `decode_attention` to continue (csrc/lane_attention.cc has the layouts)."""
+    if target == PREFIX_TARGET:
+        load()
+    s, kvh, g, d = q.shape
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((s, kvh, g), f32), jax.ShapeDtypeStruct((s, kvh, g), f32),
+           jax.ShapeDtypeStruct((s, kvh, g, d), f32))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(target, out)(
+        q.astype(f32), k_pool, v_pool, i32(page_offset), i32(pages), i32(length), i32(rows))
+
+
+def prefill_attention(q, k_pool, v_pool, page_offset, tables, ctx, qlen, *,
+                      target: str = PREFILL_TARGET):
+    """Causal attention of prefill blocks: q [S, NQ, KVH, G, D] pre-scaled, row r's query
+    i at position ctx[r] - qlen[r] + i over keys [0, it] of its pages -> [S, NQ, KVH, G,
+    D] f32, zeros past qlen (csrc/lane_attention.cc)."""
+    if target == PREFILL_TARGET:
+        load()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(target, out)(
+        q.astype(jnp.float32), k_pool, v_pool, i32(page_offset), i32(tables), i32(ctx),
+        i32(qlen))
 
 
 if __name__ == "__main__":  # make install: build ahead of the first serve

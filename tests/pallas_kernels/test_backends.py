@@ -93,18 +93,18 @@ def prepared(backend, c: Case):
 
 
 CPU_OPTIONS = {
-    "defaults": {},  # decode rows' own pages through the native kernel, where it builds
-    "jnp-decode": dict(native_decode=False),  # ... and in jnp, row groups of 8
-    "no-copy-no-groups": dict(prefix_copy_tokens=0, decode_rows_per_group=64,
-                              group_prefill_blocks=False),
+    "defaults": {},  # the native kernels, where they build
+    # Native, one prefix at most, read once only from 3 rows (others walk their own).
+    "native-few-prefixes": dict(max_prefixes=1, min_prefix_rows=3),
+    "jnp": dict(native=False),  # the jnp cascade, row groups of 8
+    "jnp-no-copy-no-groups": dict(native=False, prefix_copy_tokens=0,
+                                  decode_rows_per_group=64, group_prefill_blocks=False),
     # Shared blocks of 2 pages read in blocks of 1: prefixes are big blocks plus tails.
-    "small-blocks": dict(pages_per_block=1, shared_pages_per_block=2, decode_rows_per_group=2),
+    "jnp-small-blocks": dict(native=False, pages_per_block=1, shared_pages_per_block=2,
+                             decode_rows_per_group=2),
     # Segments of 2 rows, two prefixes at most (a third walks its own), one copy slot.
-    "few-prefixes": dict(pages_per_block=1, shared_pages_per_block=2, segment_rows=2,
-                         max_prefixes=2, prefix_copies=1),
-    # Every prefix two decode rows share through the cascade, merged with the native walk
-    # (by default only from 8 rows on).
-    "cascade-from-2-rows": dict(min_prefix_rows=2),
+    "jnp-few-prefixes": dict(native=False, pages_per_block=1, shared_pages_per_block=2,
+                             segment_rows=2, max_prefixes=2, prefix_copies=1),
 }
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -128,7 +128,7 @@ def test_cpu_prefix_copy_holding_any_part_matches_dense(c, held):
     """Each copy slot holds all, part, none of its prefix, or another prefix's pages;
     whatever it lacks is gathered from the pages: the same attention."""
     backend = make_backend("cpu", c.pool, shared_pages_per_block=2, pages_per_block=1,
-                           segment_rows=2)
+                           segment_rows=2, native=False)
     meta = backend.metadata(c.group)
     kv = (jnp.asarray(c.k), jnp.asarray(c.v))
     buffered = np.zeros_like(meta.buffered_len)
@@ -182,7 +182,7 @@ def test_the_cascade_serves_each_prefix_its_rows_share():
     ql = np.array([1, 1, 1, 1, 1, 1, 0], np.int32)
     pool = PoolLayout(1, 32, 4, 1, 8, np.float32, 4)
     backend = make_backend("cpu", pool, decode_rows_per_group=2, segment_rows=2,
-                           min_prefix_rows=2)
+                           native=False)
     meta = backend.metadata(GroupLayout(tables, ctx, ql))
     assert meta.shared_len.tolist() == [8, 8, 0, 0]  # most rows first
     assert meta.shared_pages[0, :2].tolist() == [5, 6]
@@ -205,28 +205,31 @@ def test_the_cascade_serves_each_prefix_its_rows_share():
     assert pf.shared_len.tolist() == [8] and [s.shape for s in pf.segments] == [(1, 7)]
 
 
-def test_few_decode_rows_walk_their_prefix_natively_and_a_lone_prompt_block_reads_its_own():
-    """With the native walk, a prefix fewer than `min_prefix_rows` decode rows share is
-    walked by each row (cheaper than the cascade's fixed cost); a prefill group reads a
-    single block's earlier pages as a prefix, in big blocks; the same attention."""
+def test_few_decode_rows_walk_their_prefix_and_native_prefill_blocks_share_nothing():
+    """A prefix fewer than `min_prefix_rows` decode rows share is walked by each row; the
+    native prefill kernel walks each block's pages whole (no prefix), the jnp cascade
+    reads a single block's earlier pages as a prefix, in big blocks; the same attention."""
     tables = np.array([[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 12, 0]], np.int32)
     ctx, ql = np.array([9, 11, 12], np.int32), np.array([1, 1, 1], np.int32)
-    pool = PoolLayout(1, 32, 4, 1, 8, np.float32, 4)
-    for rows, native, shared in ((8, True, [0]), (8, False, [8]), (3, True, [8])):
-        backend = make_backend("cpu", pool, max_prefixes=1, native_decode=native,
-                               min_prefix_rows=rows)
+    pool = PoolLayout(1, 32, 4, 1, 16, np.float32, 4)
+    for rows, shared in ((4, [0]), (3, [8]), (2, [8])):
+        backend = make_backend("cpu", pool, max_prefixes=1, min_prefix_rows=rows)
         assert backend.metadata(GroupLayout(tables, ctx, ql)).shared_len.tolist() == shared
     lone = GroupLayout(tables[:1], np.array([12], np.int32), np.array([3], np.int32))
-    pf = backend.metadata(lone, decode=False)
-    assert pf.shared_len.tolist() == [8] and pf.shared_pages[0, :2].tolist() == [5, 6]
     rng = np.random.default_rng(2)
-    q = rng.standard_normal((1, 3, 1, 8)).astype(np.float32)
+    q = rng.standard_normal((1, 3, 1, 16)).astype(np.float32)
     k, v = (rng.standard_normal(pool.shape).astype(np.float32) for _ in range(2))
-    out = np.asarray(backend.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                    jnp.int32(0), pf, backend.state))
     ref = np.asarray(paged_attention_dense(q, k, v, tables[:1], lone.context_lens,
                                            lone.query_lens))
-    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
+    for native, shared in ((True, 0), (False, 8)):
+        backend = make_backend("cpu", pool, native=native)
+        if native and not backend.native:
+            continue  # no compiler here: the jnp case below still runs
+        pf = backend.metadata(lone, decode=False)
+        assert int(pf.shared_len[0]) == shared
+        out = np.asarray(backend.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                        jnp.int32(0), pf, backend.state))
+        np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_prefix_copy_slots_serve_several_prefixes_without_taking_turns():

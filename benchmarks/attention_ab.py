@@ -1,0 +1,91 @@
+"""The CPU backend's attention settings, A/B in one process, on whole steps of the
+embedded model's runner (default preset's int8 weights): steps of d decode rows sharing a
+2,000-token system prompt (200 tokens of their own each), with or without a p-token
+question chunk after the same prompt, and a 256-token chunk of a 6,000-token prompt of its
+own ("long"), once per variant (each runner its own, steps alternating between them).
+A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
+`jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
+never (every row walks its whole context). Median of 5, ms. Prints one JSON line.
+
+    .venv/bin/python benchmarks/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.runner import ModelRunner  # noqa: E402
+from model.weights import load_model  # noqa: E402
+from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
+
+PS, SYSTEM, OWN = 16, 2000 // 16 * 16, 200
+LONG, LONG_CHUNK = 6000 // 16 * 16, 256
+CASES = [(1, 0), (2, 0), (4, 0), (8, 0), (12, 0), (16, 0), (0, 16), (4, 16), (16, 16),
+         (0, 64), (4, "long")]
+
+
+def plan(decodes: int, chunk) -> StepPlan:
+    greedy = SamplingParams(temperature=0.0)
+    if chunk == "long":  # its last 256 tokens, after 5,744 of its own, beside d decodes
+        plan = globals()["plan"](decodes, 0)
+        start = SYSTEM + (decodes + 1) * (OWN // PS + 1) * PS
+        pages = list(range(start // PS + 1, (start + LONG) // PS + 1))
+        chunk = SeqChunk(seq_id=98, token_ids=[9] * LONG_CHUNK, start_pos=LONG - LONG_CHUNK,
+                         page_table=pages, sample=True, sampling=greedy)
+        return StepPlan([*plan.chunks, chunk])
+    shared = list(range(1, SYSTEM // PS + 1))
+    nxt, chunks = SYSTEM // PS + 1, []
+    for i in range(decodes):
+        own = list(range(nxt, nxt + OWN // PS + 1))
+        nxt += len(own)
+        chunks.append(SeqChunk(seq_id=i, token_ids=[5], start_pos=SYSTEM + OWN - 1,
+                               page_table=shared + own, sample=True, sampling=greedy))
+    if chunk:
+        own = list(range(nxt, nxt + chunk // PS + 1))
+        chunks.append(SeqChunk(seq_id=99, token_ids=[7] * chunk, start_pos=SYSTEM,
+                               page_table=shared + own, sample=True, sampling=greedy))
+    return StepPlan(chunks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["native={}", 'jnp={"native": false}'])
+    args = ap.parse_args(argv)
+    loaded = load_model("embedded", progress=False)
+    runners = {}
+    for variant in args.variants:
+        label, _, options = variant.partition("=")
+        r = ModelRunner(loaded.config, loaded.params, quantization="auto", page_size=PS,
+                        kv_cache_bytes=1 << 30, max_context=8192,
+                        decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=(16, 64, 256),
+                        mixed_decode_buckets=(4, 16), max_prefill_seqs=1,
+                        attention_options=json.loads(options or "{}"))
+        r.warmup()
+        runners[label] = r
+    out = {}
+    for decodes, chunk in CASES:
+        p = plan(decodes, chunk)
+        for r in runners.values():
+            r.step(p)
+            r.step(p)
+        times: dict[str, list[float]] = {label: [] for label in runners}
+        for _ in range(5):
+            for label, r in runners.items():
+                t = time.perf_counter()
+                r.step(p)
+                times[label].append(time.perf_counter() - t)
+        out[f"{decodes}+{chunk}"] = {label: round(statistics.median(v) * 1000, 1)
+                                     for label, v in times.items()}
+    print(json.dumps({"ms": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

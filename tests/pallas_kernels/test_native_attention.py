@@ -1,0 +1,74 @@
+"""The native attention kernels' portable build (no AVX-512: a CI machine may be one)
+against the dense reference: prefill blocks, and a shared prefix then each row's own
+pages. The default build is checked through the CPU backend (test_backends.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import native, paged_attention_dense
+
+
+@pytest.fixture(scope="module")
+def portable():
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(native.build(
+            ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-march=x86-64"))))
+    except native.NativeUnavailable as e:
+        pytest.skip(str(e))
+    names = {}
+    for target, symbol in ((native.ATTENTION_TARGET, lib.SluiceDecodeAttention),
+                           (native.PREFILL_TARGET, lib.SluicePrefillAttention),
+                           (native.PREFIX_TARGET, lib.SluicePrefixAttention)):
+        names[target] = target + "_portable"
+        jax.ffi.register_ffi_target(names[target], jax.ffi.pycapsule(symbol), platform="cpu")
+    return names
+
+
+def _case(rows, queries, seed):
+    rng = np.random.default_rng(seed)
+    ps, kvh, g, d, width = 4, 2, 3, 16, 8
+    pages = 3 + rows * (width - 2)
+    pool = (pages, ps, kvh, d)
+    k, v = (rng.standard_normal(pool).astype(np.float32) for _ in range(2))
+    ids = rng.permutation(np.arange(1, pages))
+    tables = np.zeros((rows, width), np.int32)
+    tables[:, :2] = ids[:2]  # every row starts with the same two pages (8 keys)
+    tables[:, 2:] = ids[2:2 + rows * (width - 2)].reshape(rows, width - 2)
+    ctx = rng.integers(8 + queries, width * ps, rows).astype(np.int32)
+    ql = np.full(rows, queries, np.int32)
+    ctx[-1] = ql[-1] = 0  # a padding row
+    q = rng.standard_normal((rows, queries, kvh * g, d)).astype(np.float32)
+    ref = np.asarray(paged_attention_dense(q, k, v, tables, ctx, ql))
+    qg = jnp.asarray(q * d ** -0.5).reshape(rows, queries, kvh, g, d)
+    return qg, jnp.asarray(k), jnp.asarray(v), tables, ctx, ql, ref
+
+
+def test_portable_prefill_matches_dense(portable):
+    qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0)
+    for target in (native.PREFILL_TARGET, portable[native.PREFILL_TARGET]):
+        out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql, target=target)
+        np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_portable_prefix_then_own_pages_match_dense(portable):
+    qg, k, v, tables, ctx, ql, ref = _case(20, 1, 1)  # 20 rows x 3 heads: two tasks
+    shared = np.zeros((2, tables.shape[1]), np.int32)
+    shared[0, :2] = tables[0, :2]
+    rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
+    rows_of[::3] = 0  # some rows walk the prefix themselves
+    start = np.where(rows_of > 0, 8, 0).astype(np.int32)
+    for pre, dec in ((native.PREFIX_TARGET, native.ATTENTION_TARGET),
+                     (portable[native.PREFIX_TARGET], portable[native.ATTENTION_TARGET])):
+        m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
+                                            np.array([8, 0], np.int32), rows_of, target=pre)
+        out = native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l, acc,
+                                      target=dec)
+        np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
+                                   atol=1e-5, rtol=1e-5)
