@@ -176,10 +176,14 @@ def test_shared_prefix_pages_give_the_same_logits_as_private_copies(runner):
     _compare_shared_with_private(runner, np.random.default_rng(5))
 
 
-def test_prefix_copy_rereads_rewritten_pages(runner):
-    """The CPU backend keeps a shared prefix gathered between steps (its prefix copy).
-    When its pages are written again (freed, then reused by another prompt), the next
-    steps must read the new contents, never the stale copy."""
+def test_prefix_copy_rereads_rewritten_pages():
+    """The CPU backend's jnp cascade keeps a shared prefix gathered between steps (its
+    prefix copy). When its pages are written again (freed, then reused by another
+    prompt), the next steps must read the new contents, never the stale copy."""
+    runner = ModelRunner(TINY, random_params(TINY), page_size=8, num_pages=96,
+                         max_context=512, decode_buckets=(1, 4), prefill_buckets=(32, 64),
+                         block_q=8, max_prefill_seqs=2, attention_options={"native": False})
+    runner.warmup()
     copy = runner.attention.copy
     assert copy is not None
     rng = np.random.default_rng(6)
@@ -256,8 +260,9 @@ def test_prefix_copy_follows_the_longer_prefix_and_gathers_the_other():
     params = random_params(TINY, seed=7)
     kw = dict(page_size=2, num_pages=600, max_context=512, decode_buckets=(2,),
               prefill_buckets=(32,), block_q=8, max_prefill_seqs=2)
-    buffered, gathered = ModelRunner(TINY, params, **kw), ModelRunner(
-        TINY, params, attention_options=dict(prefix_copy_tokens=0), **kw)
+    buffered, gathered = ModelRunner(
+        TINY, params, attention_options=dict(native=False), **kw), ModelRunner(
+        TINY, params, attention_options=dict(native=False, prefix_copy_tokens=0), **kw)
     assert buffered.attention.copy is not None and gathered.attention.copy is None
     rng = np.random.default_rng(8)
     system, long = rng.integers(3, 300, 130).tolist(), rng.integers(3, 300, 300).tolist()
