@@ -15,8 +15,9 @@ holds it, so its cost moves in steps, not per token; the runner says which shape
 (`StepLimits.shapes`). Within a shape the cost grows with the attention's work, the keys
 each query reads (``work``: the sum over chunks of each token's context length). The
 model keeps, per shape, exponentially weighted means and (co)variances of (work, seconds),
-and one slope shared by all shapes fitted within shapes (a fixed-effects regression; ridge
-towards 0 while the contexts barely vary): ``predict = mean_s(shape) + slope * (work -
+and one slope shared by all shapes fitted within shapes (a fixed-effects regression, each
+shape weighted by the inverse of its unexplained time variance; ridge towards 0 while the
+contexts barely vary): ``predict = mean_s(shape) + slope * (work -
 mean_work(shape))``. A shape the warm-up timed (every shape, in a pool with an ITL
 target) starts from that figure, scaled by how the shapes that have run compare with
 their own warm-up figures (the warm-up ran each on a dummy context: a shape the plan
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 _ALPHA = 0.2  # weight of the newest measurement in the running averages
 _RIDGE = 0.02  # within-shape spread of work (as a fraction of its mean) that counts as none
+_NOISE_FLOOR = 0.01  # step times within a shape are taken to spread at least this much
 
 
 def chunk_work(start: int, n: int) -> int:
@@ -61,6 +63,7 @@ class _ShapeFit:
     seconds: float = 0.0
     var_work: float = 0.0
     cov: float = 0.0
+    var_s: float = 0.0
 
     def add(self, work: float, seconds: float) -> None:
         if self.n == 0:
@@ -71,7 +74,15 @@ class _ShapeFit:
             self.seconds += _ALPHA * dy
             self.var_work = (1 - _ALPHA) * (self.var_work + _ALPHA * dx * dx)
             self.cov = (1 - _ALPHA) * (self.cov + _ALPHA * dx * dy)
+            self.var_s = (1 - _ALPHA) * (self.var_s + _ALPHA * dy * dy)
         self.n += 1
+
+    @property
+    def noise(self) -> float:
+        """Variance of this shape's step times that its work does not explain (at least
+        that of a 1% spread): the weight of its evidence on the slope is 1 / noise."""
+        explained = self.cov * self.cov / self.var_work if self.var_work > 0 else 0.0
+        return max(self.var_s - explained, (_NOISE_FLOOR * self.seconds) ** 2, 1e-12)
 
 
 class StepCostModel:
@@ -179,13 +190,20 @@ class StepCostModel:
 
     @property
     def slope(self) -> float:
-        """Seconds per key read, fitted within shapes (never negative)."""
+        """Seconds per key read, fitted within shapes (never negative), each shape's
+        evidence weighted by the inverse of its unexplained time variance (weighted least
+        squares): a shape whose work barely varies while its times jitter (a decode and a
+        16-token chunk on a busy host: +-30 ms over +-800 keys) would otherwise set a
+        slope several times the real one by chance covariance, and every prediction at a
+        larger context would then refuse what fits. Steps over a wide range of work (a
+        long prompt's chunks) carry the fit."""
         var = cov = ridge = 0.0
         for f in self._fits.values():
             if f.n >= 2:
-                var += f.var_work
-                cov += f.cov
-                ridge += (_RIDGE * f.work) ** 2
+                w = 1.0 / f.noise
+                var += w * f.var_work
+                cov += w * f.cov
+                ridge += w * (_RIDGE * f.work) ** 2
         return max(0.0, cov / (var + ridge)) if var + ridge > 0 else 0.0
 
     def predict(self, num_decode: int, prefill_padded: int,

@@ -4,6 +4,7 @@ its compiled shape and its attention work says, and the clock moves by that much
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from config.settings import SchedulerConfig
@@ -259,3 +260,22 @@ def test_capacity_counts_up_and_stops_at_the_first_step_over_the_target():
             cost._fits[shape] = type(cost._fits[shape])(n=1, seconds=0.2, work=1_000)
     # (16, 16) still looks cheap, but the running set can only grow through 2, 3, 4.
     assert cost.fits(16, 16, 1_000) and sched.running_capacity == 1
+
+
+def test_a_jittery_shape_does_not_set_the_context_slope():
+    """A shape whose work barely varies while its step times jitter (a decode and a short
+    chunk on a busy host: +-800 keys, +-30 ms) would set the slope by chance covariance
+    (unweighted, these 20 seeded runs gave 0 to 4x the real slope); weighted by each
+    shape's unexplained variance, the shape whose work spans a range carries the fit."""
+    true, ratios = 1e-6, []
+    for seed in range(20):
+        m = StepCostModel(itl_target_s=0.15, shapes=SHAPES, block_q=16)
+        rng = np.random.default_rng(seed)
+        for i in range(30):
+            work = 30_000 + 500 * (i % 20)  # a question's chunks at growing offsets
+            m.observe(0, 64, 0.05 + true * work + rng.normal(0, 0.002), shape=(16, 64),
+                      work=work)
+            w = 34_000 + int(rng.integers(-800, 800))
+            m.observe(3, 16, 0.12 + true * w + rng.normal(0, 0.03), shape=(4, 16), work=w)
+        ratios.append(m.slope / true)
+    assert max(abs(r - 1) for r in ratios) < 0.5, ratios
