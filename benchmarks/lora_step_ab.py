@@ -4,15 +4,16 @@ Variants on the same random weights of the embedded model's shapes (SmolLM2-135M
 `base` (max_loras = 0: the compiled steps carry no LoRA code), `slots-idle` (4 slots of
 rank 16 loaded, every token on the base model: what a pool that serves adapters pays
 when none is asked for) and `4-adapters` (the 16 sequences spread over 4 adapters of
-rank 16 on all seven projections). Steps as in cpu_step_ab.py: 16 decodes sharing a
+rank 16 on all seven projections; on the CPU with the native LoRA kernel, and as
+`4-adapters-stacked` with XLA's stacked-mask matmuls). Steps as in cpu_step_ab.py: 16 decodes sharing a
 2,000-token system prompt, and 15 decodes beside a 70-token question. Then the same
 steps with the system prompt in 4 copies, one per adapter (as the server has it: the
 prefix cache keeps an adapter's pages apart, and the keys differ anyway), on the base
 runner (`base/4-prefixes`) and with the 4 adapters (`4-adapters/4-prefixes`): what the
 CPU backend's cascade, which reads one shared prefix per step, costs then. Prints one
-JSON line of median milliseconds per step.
+JSON line of median (and fastest) milliseconds per step.
 
-    .venv/bin/python benchmarks/lora_step_ab.py [--reps 30]
+    .venv/bin/python benchmarks/lora_step_ab.py [--reps 30] [--quantization none]
 """
 
 from __future__ import annotations
@@ -41,22 +42,27 @@ SYSTEM, SEQS, QUESTION, ADAPTERS, RANK = 2000, 16, 70, 4, 16
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--quantization", default="auto",
+                    help="auto (int8 on the CPU, as the server) or none (f32 weights)")
     args = ap.parse_args(argv)
     enable_compilation_cache()
     loaded = load_model("random:smollm2-135m", progress=False)
     cfg = loaded.config
 
-    def runner(slots):
+    def runner(slots, native=None):
         r = ModelRunner(cfg, loaded.params, page_size=16, kv_cache_bytes=1 << 30,
                         decode_buckets=[SEQS], prefill_buckets=(80,), dtype="float32",
-                        adapter_slots=slots, max_lora_rank=RANK)
+                        quantization=args.quantization, adapter_slots=slots,
+                        max_lora_rank=RANK, native_lora=native)
         r.warmup()
         return r
 
     runners = {"base": runner(0), "slots-idle": runner(ADAPTERS)}
     runners["4-adapters"] = runner(ADAPTERS)
+    if runners["4-adapters"].lora.native:  # the same, with XLA's stacked-mask matmuls
+        runners["4-adapters-stacked"] = runner(ADAPTERS, native=False)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("slots-idle", "4-adapters"):
+        for name in [n for n in runners if n != "base"]:
             r = runners[name]
             for i in range(ADAPTERS):
                 write_peft(Path(tmp) / f"a{i}", cfg, rank=RANK, seed=i, std=0.05)
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     variants = {**runners, "base/4-prefixes": runners["base"],
                 "4-adapters/4-prefixes": runners["4-adapters"]}
+    if "4-adapters-stacked" in runners:
+        variants["4-adapters-stacked/4-prefixes"] = runners["4-adapters-stacked"]
     for name, r in variants.items():
         decode(name, r, 0)
     times = {n: {"decode": [], "mixed": []} for n in variants}
@@ -105,11 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 fn(name, r, 2 + rep)
                 times[name][kind].append(time.perf_counter() - t)
-    out = {"seqs": SEQS, "adapters": ADAPTERS, "rank": RANK, "reps": args.reps,
+    lora = runners["4-adapters"].lora
+    out = {"quantization": runners["base"].quantization,
+           "lora_kernel": "native" if lora.native else "stacked",
+           "slot_dtype": np.dtype(lora.dtype).name, "seqs": SEQS, "adapters": ADAPTERS, "rank": RANK, "reps": args.reps,
            "targets": "q,k,v,o,gate,up,down",
            "slot_bytes": runners["4-adapters"].lora.nbytes,
            "median_ms": {n: {k: round(1e3 * statistics.median(v), 1) for k, v in t.items()}
-                         for n, t in times.items()}}
+                         for n, t in times.items()},
+           # the fastest of the reps: steadier than the median on a shared machine
+           "min_ms": {n: {k: round(1e3 * min(v), 1) for k, v in t.items()}
+                      for n, t in times.items()}}
     print(json.dumps(out))
     return 0
 

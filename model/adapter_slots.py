@@ -7,8 +7,14 @@ two plain matmuls (no transposes in the step):
 
     A, feature-major  [layers, targets, slots, R, in]   row-major [layers, in, targets, slots, R]
     B (per target)    [layers, out, slots, R]                     [layers, slots, R, out]
- Loading an adapter
-into a slot writes its arrays there with a program compiled at warm-up (the slot is a
+
+On the CPU, where the native kernels build, a group is a `NativeLora` instead: A as
+feature-major above, one B for all its targets in blocks of 16 output columns [layers,
+slots, blocks, R, 16] (`pallas_kernels.native.pack_lora_b`), multiplied
+by the CPU backend's kernel (csrc/lora_delta.cc), which reads each token's own slot only
+and adds the delta in place; stored in bf16 when the runner's base weights are int8
+(their kernel rounds activations to bf16 too), else in the runner's dtype. Loading an
+adapter into a slot writes its arrays there with a program compiled at warm-up (the slot is a
 traced index and the arrays are donated, so a load is a copy in place, never a compile).
 Which adapter goes in which slot is the scheduler's decision (`scheduler/adapters.py`);
 the plan says, and `load` does it before the step.
@@ -28,6 +34,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+
+from pallas_kernels.native import LORA_BLOCK, lora_delta, pack_lora_b
 
 from .config import ModelConfig
 from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter
@@ -35,11 +44,36 @@ from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter
 log = logging.getLogger("sluice.adapters")
 
 
+@struct.dataclass
+class NativeLora:
+    """One fused group's slots in the CPU kernel's layout; `apply` adds each token's
+    delta (model/llama.py calls it in place of the stacked-mask matmuls)."""
+
+    a: jax.Array  # [layers, targets, slots, R, in]
+    b: jax.Array  # [layers, slots, blocks, R, 16]: every target's B (`pack_lora_b`)
+    bounds: tuple = struct.field(pytree_node=False, default=())
+
+    def apply(self, y, x, slots, layer, *, feature_major: bool):
+        return lora_delta(y, x, self.a, self.b, slots, layer, np.asarray(self.bounds),
+                          feature_major=feature_major).astype(y.dtype)
+
+
+def native_available() -> bool:
+    """Whether this process runs the native LoRA kernel (the CPU backend, kernels built)."""
+    if jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels.native import available
+
+    return available()[0]
+
+
 class LoraSlots:
     def __init__(self, config: ModelConfig, slots: int, *, max_rank: int, dtype,
-                 feature_major: bool, max_cpu: int | None = None) -> None:
+                 feature_major: bool, max_cpu: int | None = None,
+                 native: bool = False) -> None:
+        """`native`: the CPU kernel's layout (`NativeLora`), else the stacked one."""
         self.config, self.slots, self.max_rank = config, slots, max_rank
-        self.dtype, self.feature_major = dtype, feature_major
+        self.dtype, self.feature_major, self.native = dtype, feature_major, native
         self.max_host = slots + (max_cpu if max_cpu is not None else slots)
         shapes = group_shapes(config)
         L, R = config.num_layers, max_rank
@@ -47,6 +81,13 @@ class LoraSlots:
         for group, mods in GROUPS.items():
             n_in, outs = shapes[group]
             t, fm = len(mods), feature_major
+            if native:
+                blocks = sum(-(-o // LORA_BLOCK) for o in outs)
+                self.arrays[group] = NativeLora(
+                    jnp.zeros((L, t, slots, R, n_in), dtype),
+                    jnp.zeros((L, slots, blocks, R, LORA_BLOCK), dtype),
+                    tuple(int(v) for v in np.concatenate([[0], np.cumsum(outs)])))
+                continue
             a = (L, t, slots, R, n_in) if fm else (L, n_in, t, slots, R)
             bs = tuple((L, o, slots, R) if fm else (L, slots, R, o) for o in outs)
             self.arrays[group] = (jnp.zeros(a, dtype), tuple(jnp.zeros(b, dtype) for b in bs))
@@ -74,11 +115,16 @@ class LoraSlots:
     def _layout(self, adapter: LoraAdapter) -> dict:
         """One slot's host arrays in the device layout (the slot axis left out): A
         [layers, targets, R, in] ([layers, in, targets, R]), B [layers, out, R] ([layers,
-        R, out])."""
+        R, out]); native: A as feature-major, B [layers, R, sum(out)]."""
         out, fm, dt = {}, self.feature_major, self.dtype
         for g, mods in GROUPS.items():
             a = adapter.a[g]  # [layers, in, targets * R]
             a = a.reshape(a.shape[0], a.shape[1], len(mods), -1)
+            if self.native:
+                out[g] = self.arrays[g].replace(
+                    a=np.ascontiguousarray(a.transpose(0, 2, 3, 1), dt),
+                    b=pack_lora_b([np.asarray(b, dt) for b in adapter.b[g]]))
+                continue
             a = np.ascontiguousarray(a.transpose(0, 2, 3, 1) if fm else a, dt)
             bs = tuple(np.ascontiguousarray(np.swapaxes(b, 1, 2) if fm else b, dt)
                        for b in adapter.b[g])
@@ -115,9 +161,11 @@ class LoraSlots:
             return
 
         fm = self.feature_major
-        # the slot's axis in each array: A (2, 3 row-major), B (2, 1 row-major)
-        axes = {g: (2 if fm else 3, tuple(2 if fm else 1 for _ in bs))
-                for g, (_, bs) in self.arrays.items()}
+        # the slot's axis in each array: A (2, 3 row-major), B (2, 1 row-major); native:
+        # A 2, B 1
+        axes = {g: (grp.replace(a=2, b=1) if isinstance(grp, NativeLora) else
+                    (2 if fm else 3, tuple(2 if fm else 1 for _ in grp[1])))
+                for g, grp in self.arrays.items()}
 
         def put(dst, src, axis, slot):
             idx = (slice(None),) * axis + (slot,)

@@ -201,7 +201,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     every slot's A and B are applied to every token and masked by the token's slot (the
     "stacked mask" form: one compiled shape for any mix of adapters, at S x the LoRA
     FLOPs, small beside the base matmuls for a few slots of rank 16), and a step with no
-    adapter token skips it all (a `cond`).
+    adapter token skips it all (a `cond`). On the CPU the slots may come in a native
+    kernel's form instead, which applies each token's own slot only (`NativeLora`).
 
     `feature_major` (params from `prepare_params(..., feature_major=True)`): the residual
     stream is kept as [hidden, T] and every weight multiplies from the left, (out, in) @
@@ -228,7 +229,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     page_size = kv[0].shape[1]
     page_idx, page_off = b.slots // page_size, b.slots % page_size
 
-    if lora is not None:  # which slot's delta each token takes (none: all 0)
+    native_lora = lora is not None and not isinstance(lora["o"], tuple)
+    if lora is not None and not native_lora:  # which slot's delta each token takes
         n_slots = lora["o"][1][0].shape[2 if fm else 1]
         mask = (b.lora_slots[:, None] == jnp.arange(n_slots)[None, :]).astype(x.dtype)
         mask = mask.T if fm else mask
@@ -237,6 +239,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     def adapted(y, x, group, i):  # y + the LoRA delta of x for one fused projection
         if lora is None:
             return y
+        if native_lora:  # a kernel's own form (model/adapter_slots.py, NativeLora)
+            return lora[group].apply(y, x, b.lora_slots, i, feature_major=fm)
 
         def delta(y, x):  # layer i's slices, taken only when some token needs them
             a, bs = lora[group]

@@ -45,7 +45,7 @@ from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .base import resolve_dtype
-from .adapter_slots import LoraSlots
+from .adapter_slots import LoraSlots, native_available as native_lora_available
 from .config import ModelConfig
 from .inflight import Launched, ReadyTimes
 from .llama import StepBatch, forward, prepare_params, rope_inv_freq
@@ -99,6 +99,7 @@ class ModelRunner:
         adapter_slots: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        native_lora: bool | None = None,
         time_all_shapes: bool = False,
         quantization: str = "none",
         devices: Sequence[Any] | None = None,
@@ -206,9 +207,15 @@ class ModelRunner:
         # LoRA adapters held on the device at once (model/adapter_slots.py); 0: none, and
         # the compiled steps carry no LoRA code at all.
         self.adapter_slots = adapter_slots
-        self.lora = LoraSlots(cfg, adapter_slots, max_rank=max_lora_rank, dtype=self.dtype,
-                              feature_major=self.feature_major,
-                              max_cpu=max_cpu_loras) if adapter_slots else None
+        # On the CPU the native kernel applies each token's own slot (SGMV-style), in bf16
+        # beside int8 base weights (their kernel rounds activations to bf16 as well).
+        native_lora = (native_lora if native_lora is not None else
+                       bool(adapter_slots) and self.tp is None and native_lora_available())
+        self.lora = LoraSlots(
+            cfg, adapter_slots, max_rank=max_lora_rank,
+            dtype=jnp.bfloat16 if native_lora and quantization == "int8" else self.dtype,
+            feature_major=self.feature_major, max_cpu=max_cpu_loras,
+            native=native_lora) if adapter_slots else None
         self._inv_freq = rope_inv_freq(cfg)
         self._steps: dict[Bucket, Callable] = {}
         self._samplers: dict[tuple[str, int], Callable] = {}
@@ -348,6 +355,8 @@ class ModelRunner:
             "switched_mlp": self.switched_mlp,
             "adapter_slots": self.adapter_slots,
             "adapter_slot_bytes": 0 if self.lora is None else self.lora.nbytes,
+            "lora_kernel": None if self.lora is None else (
+                "native" if self.lora.native else "stacked"),
             "quantization": self.quantization,
             "int8_weight_bytes": quantized_bytes(self.params),
             **self.attention.describe(),

@@ -1,5 +1,6 @@
 """The CPU backend's native kernels (`csrc/`): built, loaded and registered with XLA here,
-called through `q8_linear` (the int8-weight matmul, model/quant.py) and
+called through `q8_linear` (the int8-weight matmul, model/quant.py), `lora_delta` (each
+token's own LoRA adapter, model/adapter_slots.py) and
 `decode_attention` (each decode row's own pages), `prefix_attention` (a prefix decode rows
 share, read once for all of them) and `prefill_attention` (prefill blocks), the CPU
 backend's attention (pallas_kernels/cpu.py).
@@ -11,7 +12,8 @@ path where the CPU has AVX-512 BF16, a portable loop otherwise), and kept in `$S
 the source, the compiler, the flags, jaxlib's version and the CPU's feature flags, so a
 changed source, toolchain or machine builds anew and nothing stale is ever loaded. The
 FFI targets are registered once per process (`sluice_q8_linear`,
-`sluice_decode_attention`, `sluice_prefix_attention`, `sluice_prefill_attention`).
+`sluice_decode_attention`, `sluice_prefix_attention`, `sluice_prefill_attention`,
+`sluice_lora_delta`).
 
 Why native code at all: see each kernel's header and docs/benchmarks.md ("int8 weights",
 "decode attention").
@@ -35,11 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "q8_linear.cc", CSRC / "decode_attention.cc", CSRC / "lane_attention.cc")
+SOURCES = (CSRC / "q8_linear.cc", CSRC / "decode_attention.cc", CSRC / "lane_attention.cc",
+           CSRC / "lora_delta.cc")
 TARGET = "sluice_q8_linear"
 ATTENTION_TARGET = "sluice_decode_attention"
 PREFILL_TARGET = "sluice_prefill_attention"
 PREFIX_TARGET = "sluice_prefix_attention"
+LORA_TARGET = "sluice_lora_delta"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-w")
 
 
@@ -111,7 +115,8 @@ def load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
     for target, symbol in ((ATTENTION_TARGET, lib.SluiceDecodeAttention),
                            (PREFILL_TARGET, lib.SluicePrefillAttention),
-                           (PREFIX_TARGET, lib.SluicePrefixAttention)):
+                           (PREFIX_TARGET, lib.SluicePrefixAttention),
+                           (LORA_TARGET, lib.SluiceLoraDelta)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return lib
 
@@ -142,6 +147,40 @@ def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,
     return jax.ffi.ffi_call(target, out)(
         x.astype(jnp.float32), q, scale, jnp.asarray(layer, jnp.int32),
         feature_major=np.int32(feature_major))
+
+
+def lora_delta(y, x, a, b, slots, layer, bounds, *, feature_major: bool,
+               target: str = LORA_TARGET):
+    """y plus each token's own LoRA delta, B[slot] @ (A[slot] @ x), for one fused
+    projection (y aliased to the result: added in place): y [N, T] and x [K, T] if
+    `feature_major`, else [T, N] and [T, K]; a [L, J, S, R, K] and b [L, S, NB, R, 16],
+    f32 or bf16; slots [T] (< 0: none); layer []; bounds [J + 1] the targets' columns in N
+    (csrc/lora_delta.cc has the layouts; `pack_lora_b` makes b's)."""
+    if target == LORA_TARGET:
+        load()
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(y.shape, jnp.float32),
+                            input_output_aliases={0: 0})(
+        y.astype(jnp.float32), x.astype(jnp.float32), a, b, i32(slots), i32(layer),
+        i32(bounds), feature_major=np.int32(feature_major))
+
+
+LORA_BLOCK = 16  # output columns of a packed B block
+
+
+def pack_lora_b(bs) -> np.ndarray:
+    """The LoRA kernel's B of one fused group from each target's [..., R, out_j] (numpy):
+    [..., NB, R, 16], target j's columns in blocks of 16 (the last one zero-padded),
+    the targets' blocks one after another."""
+    blocks = []
+    for bj in bs:
+        bj = np.asarray(bj)
+        pad = -bj.shape[-1] % LORA_BLOCK
+        if pad:
+            bj = np.concatenate([bj, np.zeros((*bj.shape[:-1], pad), bj.dtype)], -1)
+        bj = bj.reshape(*bj.shape[:-1], -1, LORA_BLOCK)  # [..., R, nb, 16]
+        blocks.append(np.swapaxes(bj, -3, -2))  # [..., nb, R, 16]
+    return np.ascontiguousarray(np.concatenate(blocks, axis=-3))
 
 
 def decode_attention(q, k_pool, v_pool, page_offset, tables, start, ctx, m, l, acc, *,

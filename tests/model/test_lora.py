@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model.adapter_slots import native_available
 from model.lora import AdapterError, load_peft_adapter
 from model.runner import ModelRunner
 from scheduler.protocol import StepPlan
@@ -19,11 +21,12 @@ from .test_runner import TINY, chunk, random_params
 PARAMS = random_params(TINY)
 
 
-def make_runner(slots=3, feature_major=None, max_cpu=None):
+def make_runner(slots=3, feature_major=None, max_cpu=None, native=None, **kw):
     r = ModelRunner(TINY, PARAMS, page_size=8, num_pages=96, max_context=512,
                     decode_buckets=(1, 4), prefill_buckets=(32, 64), block_q=8,
                     max_prefill_seqs=4, adapter_slots=slots, max_lora_rank=16,
-                    feature_major=feature_major, max_cpu_loras=max_cpu)
+                    feature_major=feature_major, max_cpu_loras=max_cpu, native_lora=native,
+                    **kw)
     r.warmup()
     return r
 
@@ -51,12 +54,17 @@ def prompts(n, length=13, seed=7):
     return [rng.integers(3, 300, length + i).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("feature_major", [True, False], ids=["feature-major", "row-major"])
-def test_mixed_step_matches_numpy_on_merged_weights(adapters, feature_major):
+@pytest.mark.parametrize("feature_major,native", [(True, False), (False, False), (True, True)],
+                         ids=["feature-major", "row-major", "native"])
+def test_mixed_step_matches_numpy_on_merged_weights(adapters, feature_major, native):
     """One step prefills the base and three adapters of ranks 4/8/16 (rsLoRA among them)
     side by side, then decodes them together: every sequence's logits agree with the numpy
-    forward on W + scale * B @ A within 1e-3."""
-    runner = make_runner(feature_major=feature_major)
+    forward on W + scale * B @ A within 1e-3, with the stacked-mask matmuls and with the
+    CPU's native kernel (f32 slots)."""
+    if native and not native_available():
+        pytest.skip("the native kernels do not build here")
+    runner = make_runner(feature_major=feature_major, native=native)
+    assert runner.describe()["lora_kernel"] == ("native" if native else "stacked")
     register(runner, adapters, "r4", "r8", "r16")
     names = [None, "r4", "r8", "r16"]
     plan = StepPlan([], adapter_loads=[(0, "r4"), (1, "r8"), (2, "r16")])
@@ -82,6 +90,30 @@ def test_mixed_step_matches_numpy_on_merged_weights(adapters, feature_major):
     for i, s in enumerate(seqs):
         want = numpy_llama.forward(merged[i], TINY, s, last_only=True)[-1]
         np.testing.assert_allclose(res.logits[i], want, atol=1e-3, err_msg=str(names[i]))
+
+
+def test_int8_base_weights_keep_the_slots_in_bf16_and_track_the_merged_model(adapters):
+    """Beside int8 base weights the native kernel's slots are bf16 (half the bytes a step
+    reads); the adapter's logits stay as close to the numpy forward on merged weights as
+    the int8 base's are to the f32 base (tests/model/test_quant.py), and much closer to
+    them than to the base model's."""
+    if not native_available():
+        pytest.skip("the native kernels do not build here")
+    runner = make_runner(slots=2, quantization="int8")
+    assert runner.lora.native and runner.lora.dtype == jnp.bfloat16
+    register(runner, adapters, "r16")
+    ps = prompts(2, seed=5)
+    pages = [[1 + 8 * i + j for j in range(8)] for i in range(2)]
+    cs = [chunk(i, p, 0, pages[i]) for i, p in enumerate(ps)]
+    cs[1].adapter_slot = 1
+    res = runner.step(StepPlan(cs, adapter_loads=[(1, "r16")]), return_logits=True)
+    merged = merge(PARAMS, adapters["r16"][1])
+    for i, params in ((0, PARAMS), (1, merged)):
+        want = numpy_llama.forward(params, TINY, ps[i], last_only=True)[-1]
+        np.testing.assert_allclose(res.logits[i], want, atol=0.05 * np.abs(want).max())
+    base = numpy_llama.forward(PARAMS, TINY, ps[1], last_only=True)[-1]
+    want = numpy_llama.forward(merged, TINY, ps[1], last_only=True)[-1]
+    assert np.abs(res.logits[1] - want).max() < 0.5 * np.abs(want - base).max()
 
 
 def test_zero_b_gives_the_base_models_tokens_and_targets_subset_matches(adapters):

@@ -4,30 +4,10 @@ pages. The default build is checked through the CPU backend (test_backends.py)."
 
 from __future__ import annotations
 
-import ctypes
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from pallas_kernels import native, paged_attention_dense
-
-
-@pytest.fixture(scope="module")
-def portable():
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(native.build(
-            ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-march=x86-64"))))
-    except native.NativeUnavailable as e:
-        pytest.skip(str(e))
-    names = {}
-    for target, symbol in ((native.ATTENTION_TARGET, lib.SluiceDecodeAttention),
-                           (native.PREFILL_TARGET, lib.SluicePrefillAttention),
-                           (native.PREFIX_TARGET, lib.SluicePrefixAttention)):
-        names[target] = target + "_portable"
-        jax.ffi.register_ffi_target(names[target], jax.ffi.pycapsule(symbol), platform="cpu")
-    return names
 
 
 def _case(rows, queries, seed):

@@ -1,0 +1,363 @@
+// Sluice's native LoRA kernel for the CPU backend: every token's own adapter delta, added
+// in place to one fused projection's output, y += B[slot] @ (A[slot] @ x), per token.
+//
+// Registered with XLA as the FFI target "sluice_lora_delta" (pallas_kernels/native.py
+// builds and loads it; model/adapter_slots.py's `NativeLora` calls it). Why it exists:
+// XLA's "stacked mask" form (model/llama.py, `_lora_delta`) multiplies every token by
+// every slot's A and B and masks the result: it reads all `max_loras` adapters' weights
+// every step and pays `max_loras` x the FLOPs. With the int8 base weights (134 MB a step
+// for the embedded model), 4 slots of rank 16 on all seven projections in f32 (78 MB) cost
+// +30% on a decode step of 16 (docs/benchmarks.md). Here each token reads only its own
+// slot's rows (SGMV-style, as Punica and S-LoRA do on GPUs), the slots may be stored in
+// bf16 (half the bytes; the int8 path rounds its activations to bf16 anyway) and the
+// result is added to y in place (XLA aliases y to the output).
+//
+// Layouts (one fused group: q/k/v, o, gate/up or down; J targets side by side):
+//   y, out f32 [N, T] (feature_major) or [T, N]: the base projection; out aliases y;
+//   x      f32 [K, T] (feature_major) or [T, K]: the projection's input;
+//   a      f32 or bf16 [L, J, S, R, K]: target j's A of slot s, rank rows r, layer l;
+//   b      f32 or bf16 [L, S, NB, R, 16]: B of every target (the LoRA scale folded in),
+//          packed in blocks of 16 columns, each block's R rows contiguous: target j's
+//          columns [bounds[j], bounds[j + 1]) of the output, rounded up to blocks (zero
+//          columns), after the blocks of the targets before it (`native.pack_lora_b`);
+//   slots  int32 [T]: each token's slot, < 0 or >= S: none (the base model);
+//   layer  int32 []: which of the L layers;
+//   bounds int32 [J + 1]: the targets' column ranges, bounds[J] = N.
+// A token's result depends only on its own x and slot (each sum runs in one order), so
+// a batch gives each token what it would get alone. Tokens are grouped by slot so that a
+// slot's weights, once loaded, serve several tokens: A in passes of 4 rows x 4 tokens of
+// one slot, B a block of 16 columns x 16 rank rows held in registers for a chunk of 16
+// tokens (b_chunk). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
+// tokens for A, blocks of 16 columns for B.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SLUICE_LORA_AVX512 1
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename W>
+inline float load1(const W* p) {
+  if constexpr (sizeof(W) == 2) return bf16_to_f32(*p);
+  else return *p;
+}
+
+#ifdef SLUICE_LORA_AVX512
+template <typename W>
+inline __m512 load16(const W* p, __mmask16 m) {
+  if constexpr (sizeof(W) == 2) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_maskz_loadu_ps(m, p);
+  }
+}
+#endif
+
+constexpr int kTok = 4;   // tokens of one slot multiplied together
+constexpr int kRows = 4;  // A rows a pass (kTok x kRows accumulators)
+constexpr int kCols = 16; // B columns a block, and the rank rows held in registers
+constexpr int64_t kParallelTokens = 32;  // fewer tokens under adapters: one thread
+
+// Phase 1 for up to kTok tokens of one slot: hq[q][j * Rp + r] = A[j, r, :] . x_q for the
+// slot's rows of one layer (row (j, r) at a + j * stride_j + r * k). `xs[q]`: token q's
+// inputs, contiguous (a missing token repeats one: its results are not stored).
+template <typename W>
+void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, int64_t k,
+            const float* const* xs, int nt, float* const* hq) {
+  for (int64_t j = 0; j < j_n; ++j) {
+    const W* aj = a + j * stride_j;
+    for (int64_t r0 = 0; r0 < r_n; r0 += kRows) {
+      const W* rows[kRows];
+      for (int i = 0; i < kRows; ++i) rows[i] = aj + std::min<int64_t>(r0 + i, r_n - 1) * k;
+#ifdef SLUICE_LORA_AVX512
+      __m512 acc[kRows][kTok];
+      for (int i = 0; i < kRows; ++i)
+        for (int q = 0; q < kTok; ++q) acc[i][q] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < k; c += 16) {
+        const __mmask16 m = k - c >= 16 ? 0xFFFF : (__mmask16)((1u << (k - c)) - 1);
+        __m512 xv[kTok];
+        for (int q = 0; q < kTok; ++q) xv[q] = _mm512_maskz_loadu_ps(m, xs[q] + c);
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 av = load16(rows[i] + c, m);
+          for (int q = 0; q < kTok; ++q) acc[i][q] = _mm512_fmadd_ps(av, xv[q], acc[i][q]);
+        }
+      }
+      for (int q = 0; q < nt; ++q)
+        for (int i = 0; i < kRows && r0 + i < r_n; ++i)
+          hq[q][j * rp + r0 + i] = _mm512_reduce_add_ps(acc[i][q]);
+#else
+      for (int q = 0; q < nt; ++q)
+        for (int i = 0; i < kRows && r0 + i < r_n; ++i) {
+          float acc = 0.f;
+          for (int64_t c = 0; c < k; ++c) acc += load1(rows[i] + c) * xs[q][c];
+          hq[q][j * rp + r0 + i] = acc;
+        }
+#endif
+    }
+  }
+}
+
+#ifdef SLUICE_LORA_AVX512
+// r[i] becomes column i of the 16 x 16 matrix whose rows were r[0..15].
+inline void transpose16(__m512* r) {
+  __m512 u[16];
+  for (int i = 0; i < 8; ++i) {
+    u[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  __m512 v[16];  // v[4i + k], 128-bit lane L: rows 4i..4i+3 at column 4L + k
+  for (int i = 0; i < 4; ++i) {
+    v[4 * i] = lo(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 1] = hi(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 2] = lo(u[4 * i + 1], u[4 * i + 3]);
+    v[4 * i + 3] = hi(u[4 * i + 1], u[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = _mm512_shuffle_f32x4(v[k], v[4 + k], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(v[k], v[4 + k], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+#endif
+
+// Phase 2 for one block of kCols output columns [o0, o0 + w) of target j (`blk`: its
+// B block in every slot, R rows of kCols contiguous) and the tokens [c0, c0 + nt)
+// (nt <= 16): out += B[slot] @ h for each token under an adapter. The chunk's tokens are
+// visited slot by slot, so that a slot's block, held in registers, serves all of them;
+// their results, one row of 16 columns per token, are transposed in registers and added
+// to the output rows with one vector each (feature-major).
+template <typename W>
+void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t j,
+             const float* h, int64_t h_stride, const int32_t* slots, int64_t s_n,
+             int64_t c0, int nt, int64_t o0, int64_t w, float* out, bool fm, int64_t t,
+             int64_t n) {
+  int toks[16], cnt = 0;  // the chunk's tokens under an adapter, sorted by slot
+  for (int q = 0; q < nt; ++q) {
+    const int32_t s = slots[c0 + q];
+    if (s < 0 || s >= s_n) continue;
+    int i = cnt++;
+    for (; i > 0 && slots[c0 + toks[i - 1]] > s; --i) toks[i] = toks[i - 1];
+    toks[i] = q;
+  }
+  if (cnt == 0) return;
+#ifdef SLUICE_LORA_AVX512
+  const __mmask16 wm = w >= 16 ? 0xFFFF : (__mmask16)((1u << w) - 1);
+  __m512 tile[16];
+  for (int q = 0; q < 16; ++q) tile[q] = _mm512_setzero_ps();
+  for (int i0 = 0; i0 < cnt;) {
+    const int32_t s = slots[c0 + toks[i0]];
+    int i1 = i0;
+    while (i1 < cnt && slots[c0 + toks[i1]] == s) ++i1;
+    const W* bs = blk + s * slot_stride;
+    for (int64_t r0 = 0; r0 < rp; r0 += kCols) {
+      __m512 bv[kCols];
+      for (int i = 0; i < kCols; ++i)
+        bv[i] = r0 + i < r_n ? load16(bs + (r0 + i) * kCols, wm) : _mm512_setzero_ps();
+      for (int g = i0; g < i1; g += kTok) {
+        __m512 acc[kTok];
+        const float* hq[kTok];
+        for (int q = 0; q < kTok; ++q) {
+          acc[q] = _mm512_setzero_ps();
+          hq[q] = h + (c0 + toks[std::min(g + q, i1 - 1)]) * h_stride + j * rp + r0;
+        }
+        for (int i = 0; i < kCols; ++i)
+          for (int q = 0; q < kTok; ++q)
+            acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(hq[q][i]), bv[i], acc[q]);
+        for (int q = 0; q < kTok && g + q < i1; ++q)
+          tile[toks[g + q]] = _mm512_add_ps(tile[toks[g + q]], acc[q]);
+      }
+    }
+    i0 = i1;
+  }
+  if (fm) {
+    __mmask16 tm = 0;  // the lanes (tokens) to add
+    for (int i = 0; i < cnt; ++i) tm |= (__mmask16)(1u << toks[i]);
+    transpose16(tile);
+    for (int64_t i = 0; i < w; ++i) {
+      float* p = out + (o0 + i) * t + c0;
+      _mm512_mask_storeu_ps(p, tm, _mm512_add_ps(_mm512_maskz_loadu_ps(tm, p), tile[i]));
+    }
+  } else {
+    for (int i = 0; i < cnt; ++i) {
+      float* p = out + (c0 + toks[i]) * n + o0;
+      _mm512_mask_storeu_ps(p, wm, _mm512_add_ps(_mm512_maskz_loadu_ps(wm, p),
+                                                 tile[toks[i]]));
+    }
+  }
+#else
+  for (int i = 0; i < cnt; ++i) {
+    const int64_t ti = c0 + toks[i];
+    const W* bs = blk + slots[ti] * slot_stride;
+    const float* hm = h + ti * h_stride + j * rp;
+    for (int64_t c = 0; c < w; ++c) {
+      float acc = 0.f;
+      for (int64_t r = 0; r < r_n; ++r) acc += hm[r] * load1(bs + r * kCols + c);
+      out[fm ? (o0 + c) * t + ti : ti * n + o0 + c] += acc;
+    }
+  }
+#endif
+}
+
+// Blocks of kCols columns in the packed B: each target's columns rounded up.
+inline int64_t b_blocks(const int32_t* bounds, int64_t j_n) {
+  int64_t nb = 0;
+  for (int64_t j = 0; j < j_n; ++j) nb += (bounds[j + 1] - bounds[j] + kCols - 1) / kCols;
+  return nb;
+}
+
+template <typename W>
+void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
+           const int32_t* slots, const int32_t* bounds, float* out, bool fm, int64_t t,
+           int64_t k, int64_t n, int64_t j_n, int64_t s_n, int64_t r_n, int64_t l) {
+  // The tokens under an adapter, sorted by slot (a counting sort), and each slot's run.
+  thread_local std::vector<int32_t> order, start;
+  order.clear();
+  start.assign(s_n + 1, 0);
+  for (int64_t i = 0; i < t; ++i)
+    if (slots[i] >= 0 && slots[i] < s_n) ++start[slots[i] + 1];
+  for (int64_t s = 0; s < s_n; ++s) start[s + 1] += start[s];
+  const int64_t m_n = start[s_n];
+  if (m_n == 0) return;
+  order.resize(m_n);
+  {
+    std::vector<int32_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < t; ++i)
+      if (slots[i] >= 0 && slots[i] < s_n) order[fill[slots[i]]++] = static_cast<int32_t>(i);
+  }
+  const int32_t* op = order.data();
+  const int32_t* sp = start.data();
+  // Work items of phase 1: kTok tokens of one slot.
+  thread_local std::vector<int64_t> groups;
+  groups.clear();
+  for (int64_t s = 0; s < s_n; ++s)
+    for (int64_t m = sp[s]; m < sp[s + 1]; m += kTok) groups.push_back(m);
+  const int64_t* gp = groups.data();
+  const int64_t rp = (r_n + kCols - 1) / kCols * kCols, h_stride = j_n * rp;
+  thread_local std::vector<float> hbuf, xbuf;
+  hbuf.assign(t * h_stride, 0.f);  // by token (rows of tokens under no adapter unused)
+  xbuf.resize(m_n * k);
+  float* h = hbuf.data();
+  float* xb = xbuf.data();
+  const W* al = a + l * j_n * s_n * r_n * k;
+  const int64_t nb = b_blocks(bounds, j_n);
+  const W* bl = b + l * s_n * nb * r_n * kCols;
+  // A decode step's few tokens run on the calling thread: handing them to the pool cost
+  // more than it saved (16 tokens, 30 layers of the embedded model: 8.2 ms a step alone,
+  // 9.4-13.4 ms on both cores); a prompt chunk's are split.
+  auto pf = [&](int64_t n_items, const std::function<void(int64_t)>& fn) {
+    if (m_n < kParallelTokens)
+      for (int64_t i = 0; i < n_items; ++i) fn(i);
+    else
+      sluice::parallel_for(pool, n_items, fn);
+  };
+  // h = A[slot] @ x, kTok tokens of one slot a work item.
+  pf(static_cast<int64_t>(groups.size()), [&](int64_t g) {
+    const int64_t m0 = gp[g], s = slots[op[m0]];
+    const int nt = static_cast<int>(std::min<int64_t>(kTok, sp[s + 1] - m0));
+    const float* xs[kTok];
+    float* hq[kTok];
+    for (int q = 0; q < kTok; ++q) {
+      const int64_t mm = m0 + std::min(q, nt - 1), ti = op[mm];
+      float* dst = xb + mm * k;
+      if (q < nt)
+        for (int64_t c = 0; c < k; ++c) dst[c] = fm ? x[c * t + ti] : x[ti * k + c];
+      xs[q] = dst;
+      hq[q] = h + ti * h_stride;
+    }
+    a_rows(al + s * r_n * k, j_n, s_n * r_n * k, r_n, rp, k, xs, nt, hq);
+  });
+  // out += B[slot] @ h, a block of kCols columns of one target a work item.
+  struct Item { int64_t j, o0, blk; };
+  thread_local std::vector<Item> items;
+  items.clear();
+  for (int64_t j = 0, blk = 0; j < j_n; ++j)
+    for (int64_t o = bounds[j]; o < bounds[j + 1]; o += kCols) items.push_back({j, o, blk++});
+  const Item* ip = items.data();
+  pf(static_cast<int64_t>(items.size()), [&](int64_t p) {
+    const int64_t j = ip[p].j, o0 = ip[p].o0;
+    const int64_t w = std::min<int64_t>(kCols, bounds[j + 1] - o0);
+    for (int64_t c0 = 0; c0 < t; c0 += 16)
+      b_chunk(bl + ip[p].blk * r_n * kCols, nb * r_n * kCols, r_n, rp, j, h, h_stride,
+              slots, s_n, c0, static_cast<int>(std::min<int64_t>(16, t - c0)), o0, w, out,
+              fm, t, n);
+  });
+}
+
+ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y,
+                         ffi::Buffer<ffi::F32> x, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> bounds, ffi::ResultBuffer<ffi::F32> out,
+                         int32_t feature_major) {
+  const auto ad = a.dimensions(), bd = b.dimensions(), yd = y.dimensions();
+  if (ad.size() != 5 || bd.size() != 5 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("lora_delta: a and b must be 5-D, y 2-D");
+  if (a.element_type() != b.element_type() ||
+      (a.element_type() != ffi::DataType::F32 && a.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("lora_delta: a and b must both be f32 or bf16");
+  const bool fm = feature_major != 0;
+  const int64_t l_n = ad[0], j_n = ad[1], s_n = ad[2], r_n = ad[3], k = ad[4];
+  const int64_t n = fm ? yd[0] : yd[1], t = fm ? yd[1] : yd[0];
+  if (bounds.element_count() != static_cast<size_t>(j_n + 1) ||
+      bounds.typed_data()[0] != 0 || bounds.typed_data()[j_n] != n ||
+      bd[1] != s_n || bd[2] != b_blocks(bounds.typed_data(), j_n) || bd[3] != r_n ||
+      bd[4] != kCols)
+    return ffi::Error::InvalidArgument("lora_delta: b or bounds do not match a and y");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= l_n) return ffi::Error::InvalidArgument("lora_delta: layer out of range");
+  float* o = out->typed_data();
+  if (o != y.typed_data()) std::memcpy(o, y.typed_data(), t * n * sizeof(float));
+  if (a.element_type() == ffi::DataType::BF16)
+    delta(pool, x.typed_data(), a.reinterpret_data<uint16_t>(),
+          b.reinterpret_data<uint16_t>(), slots.typed_data(), bounds.typed_data(), o, fm, t,
+          k, n, j_n, s_n, r_n, l);
+  else
+    delta(pool, x.typed_data(), a.reinterpret_data<float>(), b.reinterpret_data<float>(),
+          slots.typed_data(), bounds.typed_data(), o, fm, t, k, n, j_n, s_n, r_n, l);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceLoraDelta, LoraDeltaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("feature_major"));
