@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import native
 
-L, S, R, K = 3, 4, 8, 40  # K not a multiple of 16: the kernel's tails
+L, S, K = 3, 4, 40  # K not a multiple of 16: the kernel's tails
 OUTS = (48, 24, 20)  # three targets side by side (q/k/v-like; the last one's B is padded)
 
 
@@ -19,11 +19,11 @@ def _bf16(a):
     return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
 
 
-def _case(t, seed, dtype):
+def _case(t, seed, dtype, r=8):
     rng = np.random.default_rng(seed)
     n = sum(OUTS)
-    a = rng.standard_normal((L, len(OUTS), S, R, K)).astype(np.float32)
-    b = rng.standard_normal((L, S, R, n)).astype(np.float32) * 0.1
+    a = rng.standard_normal((L, len(OUTS), S, r, K)).astype(np.float32)
+    b = rng.standard_normal((L, S, r, n)).astype(np.float32) * 0.1
     if dtype == "bf16":
         a, b = _bf16(a), _bf16(b)
     x = rng.standard_normal((t, K)).astype(np.float32)
@@ -66,8 +66,11 @@ def built():
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("fm", [True, False], ids=["feature-major", "row-major"])
-def test_each_token_takes_its_own_slot(built, portable, dtype, fm):
-    y, x, a, b, slots, bounds = _case(21, 0, dtype)
+@pytest.mark.parametrize("t,r", [(21, 8), (70, 19)], ids=["decode-like", "prompt-like"])
+def test_each_token_takes_its_own_slot(built, portable, dtype, fm, t, r):
+    """21 tokens of rank 8 run on one thread; 70 of rank 19 (more rank rows than one
+    register block, not a multiple of the A passes) are split over the thread pool."""
+    y, x, a, b, slots, bounds = _case(t, 0, dtype, r)
     want = _want(y, x, a, b, slots, bounds, 2)
     for target in (native.LORA_TARGET, portable[native.LORA_TARGET]):
         got = _run(y, x, a, b, slots, bounds, 2, fm, dtype, target)
@@ -75,8 +78,9 @@ def test_each_token_takes_its_own_slot(built, portable, dtype, fm):
     assert np.array_equal(got[0], y[0])  # slot -1: the base projection, untouched
 
 
-def test_a_token_gets_the_same_alone_and_in_a_batch(built):
-    y, x, a, b, slots, bounds = _case(17, 1, "bf16")
+@pytest.mark.parametrize("t", [17, 70])
+def test_a_token_gets_the_same_alone_and_in_a_batch(built, t):
+    y, x, a, b, slots, bounds = _case(t, 1, "bf16")
     batch = _run(y, x, a, b, slots, bounds, 1, True, "bf16")
     for i in (3, 9, 16):
         alone = _run(y[i:i + 1], x[i:i + 1], a, b, slots[i:i + 1], bounds, 1, True, "bf16")
