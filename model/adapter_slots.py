@@ -10,12 +10,14 @@ two plain matmuls (no transposes in the step):
 
 On the CPU, where the native kernels build, a group is a `NativeLora` instead: A as
 feature-major above, one B for all its targets in blocks of 16 output columns [layers,
-slots, blocks, R, 16] (`pallas_kernels.native.pack_lora_b`), multiplied
-by the CPU backend's kernel (csrc/lora_delta.cc), which reads each token's own slot only
-and adds the delta in place; stored in bf16 when the runner's base weights are int8
-(their kernel rounds activations to bf16 too), else in the runner's dtype. Loading an
-adapter into a slot writes its arrays there with a program compiled at warm-up (the slot is a
-traced index and the arrays are donated, so a load is a copy in place, never a compile).
+slots, blocks, R, 16] (`pallas_kernels.native.pack_lora_b`), multiplied by the CPU
+backend's kernel (csrc/lora_delta.cc), which reads each token's own slot only and adds
+the delta in place; stored in bf16 when the runner's base weights are int8 (their kernel
+rounds activations to bf16 too), else in the runner's dtype.
+
+Loading an adapter into a slot writes its arrays there with a program compiled at
+warm-up (the slot is a traced index and the arrays are donated, so a load is a copy in
+place, never a compile).
 Which adapter goes in which slot is the scheduler's decision (`scheduler/adapters.py`);
 the plan says, and `load` does it before the step.
 
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.native import LORA_BLOCK, lora_delta, pack_lora_b
+from pallas_kernels.native import LORA_BLOCK, available, lora_delta, pack_lora_b
 
 from .config import ModelConfig
 from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter
@@ -60,11 +62,7 @@ class NativeLora:
 
 def native_available() -> bool:
     """Whether this process runs the native LoRA kernel (the CPU backend, kernels built)."""
-    if jax.default_backend() != "cpu":
-        return False
-    from pallas_kernels.native import available
-
-    return available()[0]
+    return jax.default_backend() == "cpu" and available()[0]
 
 
 class LoraSlots:
@@ -115,7 +113,7 @@ class LoraSlots:
     def _layout(self, adapter: LoraAdapter) -> dict:
         """One slot's host arrays in the device layout (the slot axis left out): A
         [layers, targets, R, in] ([layers, in, targets, R]), B [layers, out, R] ([layers,
-        R, out]); native: A as feature-major, B [layers, R, sum(out)]."""
+        R, out]); native: A as feature-major, B [layers, blocks, R, 16]."""
         out, fm, dt = {}, self.feature_major, self.dtype
         for g, mods in GROUPS.items():
             a = adapter.a[g]  # [layers, in, targets * R]

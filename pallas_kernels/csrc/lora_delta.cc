@@ -29,6 +29,9 @@
 // one slot, B a block of 16 columns x 16 rank rows held in registers for a chunk of 16
 // tokens (b_chunk). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
 // tokens for A, blocks of 16 columns for B.
+//
+// (About 360 lines: both phases in their AVX-512 and portable forms, the in-register
+// transpose and the entry point read one packing and change together.)
 
 #include <immintrin.h>
 
