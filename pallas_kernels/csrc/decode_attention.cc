@@ -10,7 +10,8 @@
 //
 //   q       f32 [S, KVH, G, D]: one query per row, pre-scaled by 1/sqrt(D), its G heads
 //           sharing KV head k;
-//   k, v    f32 [P, PS, KVH, D]: the page pool (all layers);
+//   k, v    f32 or uint16 (bf16 bit patterns, widened as read) [P, PS, KVH, D]: the page
+//           pool (all layers);
 //   offset  int32 []: the pool row of this layer's page 0;
 //   tables  int32 [S, W]: each row's page ids (this layer's numbering);
 //   start   int32 [S]: the row's first own key (the end of its shared prefix);
@@ -45,14 +46,18 @@ constexpr int kChunk = 16;  // keys scored together
 
 
 struct Args {
-  const float *q, *k, *v, *m0, *l0, *acc0;
+  const float *q, *m0, *l0, *acc0;
+  const void *k, *v;  // the pool: float, or uint16_t holding bf16 bits (row_head's T)
   const int32_t *tables, *start, *ctx;
   float* out;
   int64_t kvh, g, d, ps, w, offset, pages;
 };
 
 // Row r, KV head h: the online softmax over keys [start, ctx) on top of the prefix's.
+template <typename T>
 void row_head(const Args& a, int64_t r, int64_t h) {
+  const T* kpool = static_cast<const T*>(a.k);
+  const T* vpool = static_cast<const T*>(a.v);
   const int64_t g = a.g, d = a.d;
   const int64_t base = (r * a.kvh + h) * g;  // index of (r, h, 0)
   float m[kMaxG], l[kMaxG];
@@ -67,8 +72,8 @@ void row_head(const Args& a, int64_t r, int64_t h) {
   const int64_t end = std::min<int64_t>(a.ctx[r], a.w * a.ps);  // never past the table
   const int64_t row_stride = a.kvh * d;  // floats between consecutive tokens of a page
   alignas(64) float s[kMaxG][kChunk];
-  const float* kp[kChunk];
-  const float* vp[kChunk];
+  const T* kp[kChunk];
+  const T* vp[kChunk];
   for (int64_t t0 = a.start[r], n = 0; t0 < end; t0 += n) {
     // A chunk: up to kChunk keys of one page, found with one division.
     const int64_t pi = t0 / a.ps, off = t0 - pi * a.ps;
@@ -77,8 +82,8 @@ void row_head(const Args& a, int64_t r, int64_t h) {
                                            a.pages - 1 - a.offset) + a.offset;
     const int64_t at = ((page * a.ps + off) * a.kvh + h) * d;
     for (int i = 0; i < n; ++i) {  // where each key and value lies
-      kp[i] = a.k + at + i * row_stride;
-      vp[i] = a.v + at + i * row_stride;
+      kp[i] = kpool + at + i * row_stride;
+      vp[i] = vpool + at + i * row_stride;
     }
 #ifdef __AVX512F__
     {  // the next chunk's keys and values on their way while this one is computed
@@ -90,10 +95,10 @@ void row_head(const Args& a, int64_t r, int64_t h) {
                                                 a.pages - 1 - a.offset) + a.offset;
         const int64_t atj = ((pagej * a.ps + offj) * a.kvh + h) * d;
         for (int64_t i = 0; i < nj; ++i)
-          for (int64_t c = 0; c < d; c += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(a.k + atj + i * row_stride + c),
+          for (int64_t c = 0; c < d; c += 64 / sizeof(T)) {  // a cache line at a time
+            _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i * row_stride + c),
                          _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(a.v + atj + i * row_stride + c),
+            _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i * row_stride + c),
                          _MM_HINT_T0);
           }
       }
@@ -102,7 +107,7 @@ void row_head(const Args& a, int64_t r, int64_t h) {
       __m512 dot[kMaxG];
       for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
       for (int64_t c = 0; c < d; c += 16) {
-        const __m512 kv = _mm512_loadu_ps(kp[i] + c);
+        const __m512 kv = sluice::widen16(kp[i] + c);
         for (int64_t j = 0; j < g; ++j)
           dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c), kv, dot[j]);
       }
@@ -126,7 +131,7 @@ void row_head(const Args& a, int64_t r, int64_t h) {
       for (int64_t j = 0; j < g; ++j)
         av[j] = _mm512_mul_ps(_mm512_load_ps(acc[j] + c), _mm512_set1_ps(corr[j]));
       for (int i = 0; i < n; ++i) {
-        const __m512 vv = _mm512_loadu_ps(vp[i] + c);
+        const __m512 vv = sluice::widen16(vp[i] + c);
         for (int64_t j = 0; j < g; ++j)
           av[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][i]), vv, av[j]);
       }
@@ -136,7 +141,7 @@ void row_head(const Args& a, int64_t r, int64_t h) {
     for (int i = 0; i < n; ++i)
       for (int64_t j = 0; j < g; ++j) {
         float dot = 0.f;
-        for (int64_t c = 0; c < d; ++c) dot += q[j * d + c] * kp[i][c];
+        for (int64_t c = 0; c < d; ++c) dot += q[j * d + c] * sluice::widen1(kp[i] + c);
         s[j][i] = dot;
       }
     for (int64_t j = 0; j < g; ++j) {
@@ -148,7 +153,7 @@ void row_head(const Args& a, int64_t r, int64_t h) {
       for (int i = 0; i < n; ++i) {
         const float p = std::exp(s[j][i] - m_new);
         l[j] += p;
-        for (int64_t c = 0; c < d; ++c) acc[j][c] += p * vp[i][c];
+        for (int64_t c = 0; c < d; ++c) acc[j][c] += p * sluice::widen1(vp[i] + c);
       }
       m[j] = m_new;
     }
@@ -161,7 +166,7 @@ void row_head(const Args& a, int64_t r, int64_t h) {
 }
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::S32> tables,
                                ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> ctx,
                                ffi::Buffer<ffi::F32> m0, ffi::Buffer<ffi::F32> l0,
@@ -169,6 +174,11 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("sluice_decode_attention: bad ranks");
+  const auto et = k.element_type();
+  if (v.element_type() != et || (et != ffi::DataType::F32 && et != ffi::DataType::U16) ||
+      v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument(
+        "sluice_decode_attention: k and v must be one f32 or uint16 (bf16 bits) pool shape");
   Args a;
   const int64_t rows = qd[0];
   a.kvh = qd[1];
@@ -182,8 +192,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("sluice_decode_attention: shapes do not agree");
   a.offset = offset.typed_data()[0];
   a.q = q.typed_data();
-  a.k = k.typed_data();
-  a.v = v.typed_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
   a.m0 = m0.typed_data();
   a.l0 = l0.typed_data();
   a.acc0 = acc0.typed_data();
@@ -191,7 +201,11 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.start = start.typed_data();
   a.ctx = ctx.typed_data();
   a.out = out->typed_data();
-  sluice::parallel_for(pool, rows * a.kvh, [&](int64_t i) { row_head(a, i / a.kvh, i % a.kvh); });
+  const bool bits = et == ffi::DataType::U16;
+  sluice::parallel_for(pool, rows * a.kvh, [&](int64_t i) {
+    if (bits) row_head<uint16_t>(a, i / a.kvh, i % a.kvh);
+    else row_head<float>(a, i / a.kvh, i % a.kvh);
+  });
   return ffi::Error::Success();
 }
 
@@ -201,8 +215,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pool
+                                  .Arg<ffi::AnyBuffer>()          // k pool
+                                  .Arg<ffi::AnyBuffer>()          // v pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // offset
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // start

@@ -15,7 +15,8 @@
 // sluice_prefill_attention
 //   q       f32 [S, NQ, KVH, G, D]: a block of NQ queries per row, pre-scaled by
 //           1/sqrt(D); query i of row r sits at position ctx[r] - qlen[r] + i;
-//   k, v    f32 [P, PS, KVH, D]: the page pool (all layers);
+//   k, v    f32 or uint16 (bf16 bit patterns, widened as read) [P, PS, KVH, D]: the page
+//           pool (all layers);
 //   offset  int32 []: the pool row of this layer's page 0;
 //   tables  int32 [S, W]: each row's page ids (this layer's numbering);
 //   ctx     int32 [S]: the row's keys in the pool (this step's included);
@@ -61,8 +62,9 @@ constexpr int64_t kPartKeys = 512;     // a walk is split in parts of at least t
 constexpr float kNeg = -1e30f;
 
 struct Pool {
-  const float *k, *v;
+  const void *k, *v;  // float, or uint16_t holding bf16 bits (`bits`; widened as read)
   int64_t kvh, d, ps, pages, offset;
+  bool bits;
 };
 
 // Up to 48 queries of one KV head that read the same keys, and their online softmax
@@ -116,11 +118,13 @@ inline int64_t chunk_at(const Pool& P, const int32_t* table, int64_t h, int64_t 
 // time, each of the d elements broadcast against every vector of queries (8 x NV
 // independent sums); values: 16 (NV = 1) or 8 dimensions at a time, each value element
 // broadcast against every vector of weights.
-template <int NV>
+template <int NV, typename T>
 void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
           Lanes& L) {
   constexpr int kKeys = 8, kDims = NV == 1 ? 16 : 8;
-  const int64_t d = P.d, rs = P.kvh * d;  // rs: floats between a page's tokens
+  const int64_t d = P.d, rs = P.kvh * d;  // rs: values between a page's tokens
+  const T* kpool = static_cast<const T*>(P.k);
+  const T* vpool = static_cast<const T*>(P.v);
   __m512i pos[NV];
   __m512 m[NV], l[NV];
   for (int v = 0; v < NV; ++v) {
@@ -131,19 +135,19 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
   alignas(64) float s[kChunk][16 * NV];  // scores, then weights
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
-    const float* kp[kChunk];
-    const float* vp[kChunk];
+    const T* kp[kChunk];
+    const T* vp[kChunk];
     for (int i = 0; i < kChunk; ++i) {  // keys past n repeat the last (scored, unused)
-      kp[i] = P.k + at + std::min<int64_t>(i, n - 1) * rs;
-      vp[i] = P.v + at + std::min<int64_t>(i, n - 1) * rs;
+      kp[i] = kpool + at + std::min<int64_t>(i, n - 1) * rs;
+      vp[i] = vpool + at + std::min<int64_t>(i, n - 1) * rs;
     }
     if (t + n < t1) {  // the next chunk on its way while this one is computed
       int64_t nj;
       const int64_t atj = chunk_at(P, table, h, t + n, t1, &nj);
       for (int64_t i = 0; i < nj; ++i)
-        for (int64_t c = 0; c < d; c += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(P.k + atj + i * rs + c), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(P.v + atj + i * rs + c), _MM_HINT_T0);
+        for (int64_t c = 0; c < d; c += 64 / sizeof(T)) {  // a cache line at a time
+          _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i * rs + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i * rs + c), _MM_HINT_T0);
         }
     }
     for (int i = 0; i < n; i += kKeys) {
@@ -154,7 +158,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         __m512 qv[NV];
         for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(L.qt[c] + 16 * v);
         for (int kk = 0; kk < kKeys; ++kk) {
-          const __m512 b = _mm512_set1_ps(kp[i + kk][c]);
+          const __m512 b = _mm512_set1_ps(sluice::widen1(kp[i + kk] + c));
           for (int v = 0; v < NV; ++v) a[v][kk] = _mm512_fmadd_ps(qv[v], b, a[v][kk]);
         }
       }
@@ -190,7 +194,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         __m512 pv[NV];
         for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_ps(s[i] + 16 * v);
         for (int j = 0; j < kDims; ++j) {
-          const __m512 b = _mm512_set1_ps(vp[i][c + j]);
+          const __m512 b = _mm512_set1_ps(sluice::widen1(vp[i] + c + j));
           for (int v = 0; v < NV; ++v) a[v][j] = _mm512_fmadd_ps(pv[v], b, a[v][j]);
         }
       }
@@ -206,23 +210,26 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
 #endif
 
 // The lanes' online softmax over keys [t0, t1) of one KV head, read through `table`.
-void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
-          Lanes& L) {
+template <typename T>
+void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
+               Lanes& L) {
 #ifdef __AVX512F__
   switch (L.vectors()) {
-    case 1: return walk<1>(P, table, h, t0, t1, L);
-    case 2: return walk<2>(P, table, h, t0, t1, L);
-    default: return walk<3>(P, table, h, t0, t1, L);
+    case 1: return walk<1, T>(P, table, h, t0, t1, L);
+    case 2: return walk<2, T>(P, table, h, t0, t1, L);
+    default: return walk<3, T>(P, table, h, t0, t1, L);
   }
 #else
   const int64_t d = P.d, rs = P.kvh * d;
+  const T* kpool = static_cast<const T*>(P.k);
+  const T* vpool = static_cast<const T*>(P.v);
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
     for (int j = 0; j < L.n; ++j) {
       float s[kChunk], mx = L.m[j];
       for (int64_t i = 0; i < n; ++i) {
         float dot = 0.f;
-        for (int64_t c = 0; c < d; ++c) dot += L.qt[c][j] * P.k[at + i * rs + c];
+        for (int64_t c = 0; c < d; ++c) dot += L.qt[c][j] * sluice::widen1(kpool + at + i * rs + c);
         s[i] = t + i <= L.pos[j] ? dot : kNeg;
         mx = std::max(mx, s[i]);
       }
@@ -233,12 +240,18 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         if (t + i > L.pos[j]) continue;
         const float p = std::exp(s[i] - mx);
         L.l[j] += p;
-        for (int64_t c = 0; c < d; ++c) L.acc[c][j] += p * P.v[at + i * rs + c];
+        for (int64_t c = 0; c < d; ++c) L.acc[c][j] += p * sluice::widen1(vpool + at + i * rs + c);
       }
       L.m[j] = mx;
     }
   }
 #endif
+}
+
+void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
+          Lanes& L) {
+  if (P.bits) walk_pool<uint16_t>(P, table, h, t0, t1, L);
+  else walk_pool<float>(P, table, h, t0, t1, L);
 }
 
 // A set of lanes and the keys [0, end) they read through `table` (KV head h).
@@ -315,15 +328,18 @@ bool check(const Pool& P, int64_t kvh, int64_t d, ffi::Span<const int64_t> kd) {
          P.ps > 0;
 }
 
-Pool pool_of(ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::S32>& offset,
+Pool pool_of(ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& offset,
              int64_t kvh, int64_t d) {
   const auto kd = k.dimensions();
-  return Pool{k.typed_data(), v.typed_data(), kvh, d, kd.size() == 4 ? kd[1] : 0,
-              kd.size() == 4 ? kd[0] : 0, offset.typed_data()[0]};
+  const auto et = k.element_type();
+  const bool ok = (et == ffi::DataType::F32 || et == ffi::DataType::U16) &&
+                  v.element_type() == et && kd.size() == 4;
+  return Pool{k.untyped_data(), v.untyped_data(), kvh, d, ok ? kd[1] : 0, ok ? kd[0] : 0,
+              offset.typed_data()[0], et == ffi::DataType::U16};
 }
 
 ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::S32> tables,
                                 ffi::Buffer<ffi::S32> ctx, ffi::Buffer<ffi::S32> qlen,
                                 ffi::ResultBuffer<ffi::F32> out) {
@@ -365,7 +381,7 @@ ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 ffi::Error PrefixAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::S32> pages,
                                ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::S32> rows_of,
                                ffi::ResultBuffer<ffi::F32> m_out,
@@ -418,8 +434,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefillAttention, PrefillAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pool
+                                  .Arg<ffi::AnyBuffer>()          // k pool
+                                  .Arg<ffi::AnyBuffer>()          // v pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // offset
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ctx
@@ -430,8 +446,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefixAttention, PrefixAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pool
+                                  .Arg<ffi::AnyBuffer>()          // k pool
+                                  .Arg<ffi::AnyBuffer>()          // v pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // offset
                                   .Arg<ffi::Buffer<ffi::S32>>()   // pages
                                   .Arg<ffi::Buffer<ffi::S32>>()   // length

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -50,19 +51,6 @@ namespace ffi = xla::ffi;
 #endif
 
 namespace {
-
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-template <typename W>
-inline float load1(const W* p) {
-  if constexpr (sizeof(W) == 2) return bf16_to_f32(*p);
-  else return *p;
-}
 
 #ifdef SLUICE_LORA_AVX512
 template <typename W>
@@ -112,7 +100,7 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
       for (int q = 0; q < nt; ++q)
         for (int i = 0; i < kRows && r0 + i < r_n; ++i) {
           float acc = 0.f;
-          for (int64_t c = 0; c < k; ++c) acc += load1(rows[i] + c) * xs[q][c];
+          for (int64_t c = 0; c < k; ++c) acc += sluice::widen1(rows[i] + c) * xs[q][c];
           hq[q][j * rp + r0 + i] = acc;
         }
 #endif
@@ -225,7 +213,7 @@ void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t
     const float* hm = h + ti * h_stride + j * rp;
     for (int64_t c = 0; c < w; ++c) {
       float acc = 0.f;
-      for (int64_t r = 0; r < r_n; ++r) acc += hm[r] * load1(bs + r * kCols + c);
+      for (int64_t r = 0; r < r_n; ++r) acc += hm[r] * sluice::widen1(bs + r * kCols + c);
       out[fm ? (o0 + c) * t + ti : ti * n + o0 + c] += acc;
     }
   }

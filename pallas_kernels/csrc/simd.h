@@ -3,7 +3,28 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+#include <cstring>
+
 namespace sluice {
+
+// Values stored as f32, or as bf16 bit patterns (uint16: the upper half of an f32),
+// widened to f32 where they are read.
+inline float widen1(const float* p) { return *p; }
+inline float widen1(const uint16_t* p) {
+  const uint32_t u = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef __AVX512F__
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 #ifdef __AVX512F__
 // exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6

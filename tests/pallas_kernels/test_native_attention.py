@@ -1,21 +1,26 @@
 """The native attention kernels' portable build (no AVX-512: a CI machine may be one)
 against the dense reference: prefill blocks, and a shared prefix then each row's own
-pages. The default build is checked through the CPU backend (test_backends.py)."""
+pages, over f32 pools and over pools of bf16 bit patterns. The default build is checked through the CPU backend (test_backends.py)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels import native, paged_attention_dense
 
 
-def _case(rows, queries, seed):
+def _case(rows, queries, seed, bits=False):
+    """`bits`: the pools hold bf16 bit patterns (uint16), the reference reads the same
+    values widened to f32."""
     rng = np.random.default_rng(seed)
     ps, kvh, g, d, width = 4, 2, 3, 16, 8
     pages = 3 + rows * (width - 2)
     pool = (pages, ps, kvh, d)
     k, v = (rng.standard_normal(pool).astype(np.float32) for _ in range(2))
+    if bits:
+        k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16)) for a in (k, v))
     ids = rng.permutation(np.arange(1, pages))
     tables = np.zeros((rows, width), np.int32)
     tables[:, :2] = ids[:2]  # every row starts with the same two pages (8 keys)
@@ -26,19 +31,23 @@ def _case(rows, queries, seed):
     q = rng.standard_normal((rows, queries, kvh * g, d)).astype(np.float32)
     ref = np.asarray(paged_attention_dense(q, k, v, tables, ctx, ql))
     qg = jnp.asarray(q * d ** -0.5).reshape(rows, queries, kvh, g, d)
+    if bits:
+        k, v = k.view(np.uint16), v.view(np.uint16)
     return qg, jnp.asarray(k), jnp.asarray(v), tables, ctx, ql, ref
 
 
-def test_portable_prefill_matches_dense(portable):
-    qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0)
+@pytest.mark.parametrize("bits", [False, True], ids=["f32-pool", "bf16-bits-pool"])
+def test_portable_prefill_matches_dense(portable, bits):
+    qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0, bits)
     for target in (native.PREFILL_TARGET, portable[native.PREFILL_TARGET]):
         out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql, target=target)
         np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_portable_prefix_then_own_pages_match_dense(portable):
-    qg, k, v, tables, ctx, ql, ref = _case(20, 1, 1)  # 20 rows x 3 heads: two tasks
+@pytest.mark.parametrize("bits", [False, True], ids=["f32-pool", "bf16-bits-pool"])
+def test_portable_prefix_then_own_pages_match_dense(portable, bits):
+    qg, k, v, tables, ctx, ql, ref = _case(20, 1, 1, bits)  # 20 rows x 3 heads: two tasks
     shared = np.zeros((2, tables.shape[1]), np.int32)
     shared[0, :2] = tables[0, :2]
     rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
