@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quantization", choices=["auto", "none", "int8"],
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel (default: the config's)")
+    s.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
+                   help="what the KV pool stores; CPU: bfloat16 holds twice the tokens "
+                        "and halves attention's reads (default: the config's)")
     m = s.add_argument_group(
         "multi-host replica", "one replica over N processes (jax.distributed): process 0 "
         "serves HTTP, the others only run its steps on their devices (docs/operations.md)")
@@ -160,6 +163,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         pool = replace(pool, scheduler=sched)
         if getattr(args, "quantization", None):
             pool = replace(pool, quantization=args.quantization)
+        if getattr(args, "kv_cache_dtype", None):
+            pool = replace(pool, kv_cache_dtype=args.kv_cache_dtype)
         if i == 0 and getattr(args, "model", None):
             pool = replace(pool, model=args.model)
         pools.append(pool)

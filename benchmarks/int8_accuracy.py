@@ -9,7 +9,7 @@ prompt positions are reported too. The kernel computes each row alike whatever i
 many tokens int8's own greedy answer shares with f32's before they part. Prints one
 JSON line.
 
-    .venv/bin/python benchmarks/int8_accuracy.py [--tokens 64]
+    .venv/bin/python benchmarks/int8_accuracy.py [--tokens 64] [--candidate int8-kv-bf16]
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ QUESTIONS = ["What is the capital of France?", "Explain photosynthesis in two se
              "Give me a recipe for pancakes.", "Why is the sky blue?"]
 
 
-def runner(m, quantization: str, dtype: str = "float32") -> ModelRunner:
+def runner(m, quantization: str, dtype: str = "float32", kv: str = "auto") -> ModelRunner:
     r = ModelRunner(m.config, m.params, decode_buckets=(1,), prefill_buckets=(256,),
                     mixed_decode_buckets=(0,), kv_cache_bytes=64 << 20,
-                    quantization=quantization, dtype=dtype)
+                    quantization=quantization, dtype=dtype, kv_cache_dtype=kv)
     r.warmup()
     return r
 
@@ -75,13 +75,18 @@ def score(r: ModelRunner, ids: list[int]) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64, help="answer tokens per question")
-    ap.add_argument("--candidate", choices=("int8", "bf16"), default="int8",
+    ap.add_argument("--candidate", choices=("int8", "bf16", "kv-bf16", "int8-kv-bf16"),
+                    default="int8",
                     help="bf16: the same comparison for the f32 model run in bfloat16 "
-                         "(the GPU's dtype), for scale")
+                         "(the GPU's dtype), for scale; kv-bf16: f32 weights, a KV pool "
+                         "of bf16 (kv_cache_dtype); int8-kv-bf16: both")
     args = ap.parse_args(argv)
     m = load_model("embedded", progress=False)
     f32 = runner(m, "none")
-    i8 = runner(m, "int8") if args.candidate == "int8" else runner(m, "none", "bfloat16")
+    i8 = {"int8": lambda: runner(m, "int8"),
+          "bf16": lambda: runner(m, "none", "bfloat16"),
+          "kv-bf16": lambda: runner(m, "none", kv="bfloat16"),
+          "int8-kv-bf16": lambda: runner(m, "int8", kv="bfloat16")}[args.candidate]()
     stats = {"answer": {"agree": [], "dlp": []}, "prompt": {"agree": [], "dlp": []}}
     same = []  # tokens int8's greedy answer shares with f32's before the first difference
     for q in QUESTIONS:

@@ -14,6 +14,7 @@ CPU backend's cascade, which reads one shared prefix per step, costs then. Print
 JSON line of median (and fastest) milliseconds per step.
 
     .venv/bin/python benchmarks/lora_step_ab.py [--reps 30] [--quantization none]
+        [--kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--quantization", default="auto",
                     help="auto (int8 on the CPU, as the server) or none (f32 weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="auto (f32 on the CPU) or bfloat16 (bit patterns, native kernels)")
     args = ap.parse_args(argv)
     enable_compilation_cache()
     loaded = load_model("random:smollm2-135m", progress=False)
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         r = ModelRunner(cfg, loaded.params, page_size=16, kv_cache_bytes=1 << 30,
                         decode_buckets=[SEQS], prefill_buckets=(80,), dtype="float32",
                         quantization=args.quantization, adapter_slots=slots,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         max_lora_rank=RANK, native_lora=native)
         r.warmup()
         return r
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     lora = runners["4-adapters"].lora
     out = {"quantization": runners["base"].quantization,
            "lora_kernel": "native" if lora.native else "stacked",
+           "kv_cache_dtype": runners["base"].describe()["kv_cache_dtype"],
            "slot_dtype": np.dtype(lora.dtype).name, "seqs": SEQS, "adapters": ADAPTERS, "rank": RANK, "reps": args.reps,
            "targets": "q,k,v,o,gate,up,down",
            "slot_bytes": runners["4-adapters"].lora.nbytes,

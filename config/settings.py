@@ -165,6 +165,11 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # their f32 copies are not kept. "auto": int8 on the CPU (f32 dtype) where the kernel
     # builds, else none; "none": the weights as loaded (f32 on the CPU).
     quantization: Literal["auto", "none", "int8"] = "auto"
+    # What the KV pool stores: "auto" the model's dtype (f32 on the CPU, bf16 on GPUs);
+    # "bfloat16" on the CPU keeps bf16 bit patterns that the native attention kernels
+    # widen as they read: twice the tokens in `kv_cache_bytes`, half the bytes a step
+    # reads (docs/operations.md, "KV cache dtype").
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Attention backend (pallas_kernels): auto = "pallas" on a GPU, "cpu" elsewhere.
     attention: Literal["auto", "cpu", "pallas", "pallas_interpret", "dense"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()

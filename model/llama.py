@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.backends import to_pool
+
 from .config import ModelConfig
 from .quant import PROJECTIONS, Int8Matrix, linear, quantize_int8
 from .tp import interleave
@@ -282,8 +284,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         # write is a dynamic-update-slice, and beside a reshaped view of the pool XLA:CPU
         # copied the whole pool per layer to serve both (tests/model check the HLO).
         at = page_idx + attention.page_offset(i)
-        k_pool = k_pool.at[at, page_off].set(k.astype(k_pool.dtype), mode="promise_in_bounds")
-        v_pool = v_pool.at[at, page_off].set(v.astype(v_pool.dtype), mode="promise_in_bounds")
+        k_pool = k_pool.at[at, page_off].set(to_pool(k, k_pool.dtype), mode="promise_in_bounds")
+        v_pool = v_pool.at[at, page_off].set(to_pool(v, v_pool.dtype), mode="promise_in_bounds")
         outs = []
         if dec_rows:
             qd = q[:dec_rows].reshape(dec_rows, 1, h_, d)

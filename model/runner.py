@@ -102,6 +102,7 @@ class ModelRunner:
         native_lora: bool | None = None,
         time_all_shapes: bool = False,
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
         devices: Sequence[Any] | None = None,
     ) -> None:
         # Where it runs: None, JAX's default device; else these, tensor parallel over them.
@@ -147,15 +148,16 @@ class ModelRunner:
                  else mixed_decode_buckets)
         self.mixed_decode_buckets = sorted(set(mixed))
 
+        self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n)
         self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                                   * self.dtype.itemsize)
+                                   * np.dtype(self.kv_storage).itemsize)
         if num_pages is None:
             num_pages = max(2, kv_cache_bytes // (self.kv_bytes_per_token * page_size))
         self.num_pages = int(num_pages)
         self.kv_bytes = self.num_pages * page_size * self.kv_bytes_per_token
         self.pool = PoolLayout(layers=cfg.num_layers, pages=self.num_pages,
                                page_size=page_size, kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, dtype=self.dtype,
+                               head_dim=cfg.head_dim, dtype=self.kv_storage,
                                pages_per_seq=-(-self.max_context // page_size))
         # What one device computes (the whole model without tensor parallelism).
         self.local_config = self.tp.local_config(cfg) if self.tp else cfg
@@ -248,12 +250,32 @@ class ModelRunner:
         self._prev_width = max((self._sample_rows(b) for b in self.programs.all), default=1)
         self._prev_tokens = np.zeros(self._prev_width, np.int32)
 
+    def _kv_dtype(self, kv_cache_dtype: str, attention: str | None, tp_n: int):
+        """(what the KV pool holds, the array dtype it is stored as). bf16 on the CPU is
+        stored as its bit patterns in uint16: XLA:CPU has no native bf16 scatter or
+        gather (a bf16 pool's step ran for minutes, docs/benchmarks.md), and only the
+        native attention kernels read it, widening as they go."""
+        if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', not "
+                             f"{kv_cache_dtype!r}")
+        dtype = self.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
+        if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+            return dtype, dtype
+        from pallas_kernels.native import available
+
+        ok, why = available()
+        if attention not in (None, "cpu") or tp_n > 1 or not ok:
+            raise ValueError("a bfloat16 KV pool on the CPU needs the CPU attention backend's "
+                             "native kernels and tensor_parallel = 1" +
+                             ("" if ok else f" (native kernels unavailable: {why})"))
+        return dtype, jnp.dtype(jnp.uint16)
+
     def _new_pool(self) -> tuple:
         """The zeroed K and V pools, made where they live (on their shards, with TP)."""
         if self.tp is None:
-            return (jnp.zeros(self.pool.shape, self.dtype),
-                    jnp.zeros(self.pool.shape, self.dtype))
-        make = jax.jit(lambda: jnp.zeros(self.pool.shape, self.dtype),
+            return (jnp.zeros(self.pool.shape, self.kv_storage),
+                    jnp.zeros(self.pool.shape, self.kv_storage))
+        make = jax.jit(lambda: jnp.zeros(self.pool.shape, self.kv_storage),
                        out_shardings=self.tp.sharding(self.tp.kv_spec))
         return (make(), make())
 
@@ -296,7 +318,8 @@ class ModelRunner:
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
                    max_cpu_loras=pool.max_cpu_loras,
                    time_all_shapes=pool.scheduler.itl_target_s > 0,
-                   quantization=pool.quantization, devices=devices)
+                   quantization=pool.quantization, kv_cache_dtype=pool.kv_cache_dtype,
+                   devices=devices)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -346,6 +369,7 @@ class ModelRunner:
             "page_size": self.page_size,
             "num_pages": self.num_pages,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_dtype": jnp.dtype(self.kv_dtype).name,
             "kv_cache_bytes": self.kv_bytes,
             "kv_capacity_tokens": (self.num_pages - 1) * self.page_size,
             "max_context": self.max_context,

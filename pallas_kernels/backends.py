@@ -23,12 +23,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def to_pool(x, dtype):
+    """Keys or values as a pool of `dtype` stores them: cast, or, for a uint16 pool, the
+    bit patterns of their bf16 values (the CPU's bf16 pool; the native kernels widen them
+    as they read)."""
+    if np.dtype(dtype) == np.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """The shape of the KV page pool a backend reads."""
+    """The shape of the KV page pool a backend reads (`dtype`: the array's; uint16 holds
+    bf16 bit patterns, `to_pool`)."""
 
     layers: int
     pages: int  # pages per layer, the null page 0 included

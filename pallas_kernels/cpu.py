@@ -57,13 +57,18 @@ class CpuBackend(AttentionBackend):
                  min_prefix_rows: int = 2) -> None:
         super().__init__(pool)
         # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
-        # where they build and the pool is f32 (otherwise the jnp cascade).
+        # where they build and the pool is f32 or bf16 bits (otherwise the jnp cascade).
         if native is None:
             from .native import available
 
             native = available()[0]
-        self.native = bool(native) and np.dtype(pool.dtype) == np.float32 and \
+        bits = np.dtype(pool.dtype) == np.uint16  # bf16 bit patterns: native kernels only
+        self.native = bool(native) and np.dtype(pool.dtype) in (np.float32, np.uint16) and \
             pool.head_dim % 16 == 0 and pool.head_dim <= 256
+        if bits and not self.native:
+            raise ValueError("a KV pool of bf16 bit patterns is read by the native kernels "
+                             "only (they are unavailable, or the head dimension is not a "
+                             "multiple of 16 up to 256)")
         # A decode group reads a shared prefix once for its rows from this many rows on;
         # fewer walk it themselves.
         self.min_prefix_rows = max(2, min_prefix_rows)
