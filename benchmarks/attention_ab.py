@@ -5,7 +5,8 @@ question chunk after the same prompt, and a 256-token chunk of a 6,000-token pro
 own ("long"), once per variant (each runner its own, steps alternating between them).
 A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
-never (every row walks its whole context). Median of 5, ms. Prints one JSON line.
+never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` among them sets
+the runner's KV pool instead. Median of 5, ms. Prints one JSON line.
 
     .venv/bin/python benchmarks/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
 """
@@ -62,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     runners = {}
     for variant in args.variants:
         label, _, options = variant.partition("=")
+        options = json.loads(options or "{}")
+        kv = options.pop("kv_cache_dtype", "auto")  # the runner's, not the backend's
         r = ModelRunner(loaded.config, loaded.params, quantization="auto", page_size=PS,
                         kv_cache_bytes=1 << 30, max_context=8192,
                         decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=(16, 64, 256),
                         mixed_decode_buckets=(4, 16), max_prefill_seqs=1,
-                        attention_options=json.loads(options or "{}"))
+                        kv_cache_dtype=kv, attention_options=options)
         r.warmup()
         runners[label] = r
     out = {}

@@ -133,13 +133,28 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
     l[v] = _mm512_load_ps(L.l + 16 * v);
   }
   alignas(64) float s[kChunk][16 * NV];  // scores, then weights
+  // A chunk's keys and values widened to f32 (bf16 pools only).
+  alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
+  alignas(64) float vw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
-    const T* kp[kChunk];
-    const T* vp[kChunk];
-    for (int i = 0; i < kChunk; ++i) {  // keys past n repeat the last (scored, unused)
-      kp[i] = kpool + at + std::min<int64_t>(i, n - 1) * rs;
-      vp[i] = vpool + at + std::min<int64_t>(i, n - 1) * rs;
+    const float* kp[kChunk];
+    const float* vp[kChunk];
+    if constexpr (sizeof(T) == 2) {  // bf16 bits: the chunk widened once, then as f32
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < d; c += 16) {
+          _mm512_store_ps(kw[i] + c, sluice::widen16(kpool + at + i * rs + c));
+          _mm512_store_ps(vw[i] + c, sluice::widen16(vpool + at + i * rs + c));
+        }
+      for (int i = 0; i < kChunk; ++i) {  // keys past n repeat the last (scored, unused)
+        kp[i] = kw[std::min<int64_t>(i, n - 1)];
+        vp[i] = vw[std::min<int64_t>(i, n - 1)];
+      }
+    } else {
+      for (int i = 0; i < kChunk; ++i) {
+        kp[i] = kpool + at + std::min<int64_t>(i, n - 1) * rs;
+        vp[i] = vpool + at + std::min<int64_t>(i, n - 1) * rs;
+      }
     }
     if (t + n < t1) {  // the next chunk on its way while this one is computed
       int64_t nj;
@@ -158,7 +173,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         __m512 qv[NV];
         for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(L.qt[c] + 16 * v);
         for (int kk = 0; kk < kKeys; ++kk) {
-          const __m512 b = _mm512_set1_ps(sluice::widen1(kp[i + kk] + c));
+          const __m512 b = _mm512_set1_ps(kp[i + kk][c]);
           for (int v = 0; v < NV; ++v) a[v][kk] = _mm512_fmadd_ps(qv[v], b, a[v][kk]);
         }
       }
@@ -194,7 +209,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         __m512 pv[NV];
         for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_ps(s[i] + 16 * v);
         for (int j = 0; j < kDims; ++j) {
-          const __m512 b = _mm512_set1_ps(sluice::widen1(vp[i] + c + j));
+          const __m512 b = _mm512_set1_ps(vp[i][c + j]);
           for (int v = 0; v < NV; ++v) a[v][j] = _mm512_fmadd_ps(pv[v], b, a[v][j]);
         }
       }
