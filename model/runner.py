@@ -265,6 +265,8 @@ class ModelRunner:
 
         ok, why = available()
         if attention not in (None, "cpu") or tp_n > 1 or not ok:
+            if kv_cache_dtype == "auto":  # a bf16 model's own pool, read by jnp (slow)
+                return dtype, dtype
             raise ValueError("a bfloat16 KV pool on the CPU needs the CPU attention backend's "
                              "native kernels and tensor_parallel = 1" +
                              ("" if ok else f" (native kernels unavailable: {why})"))
