@@ -30,7 +30,7 @@
 // tokens (b_chunk). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
 // tokens for A, blocks of 16 columns for B.
 //
-// (About 360 lines: both phases in their AVX-512 and portable forms, the in-register
+// (Both phases in their AVX-512 and portable forms, the in-register
 // transpose and the entry point read one packing and change together.)
 
 #include <immintrin.h>
@@ -51,18 +51,6 @@ namespace ffi = xla::ffi;
 #endif
 
 namespace {
-
-#ifdef SLUICE_LORA_AVX512
-template <typename W>
-inline __m512 load16(const W* p, __mmask16 m) {
-  if constexpr (sizeof(W) == 2) {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_maskz_loadu_ps(m, p);
-  }
-}
-#endif
 
 constexpr int kTok = 4;   // tokens of one slot multiplied together
 constexpr int kRows = 4;  // A rows a pass (kTok x kRows accumulators)
@@ -89,7 +77,7 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
         __m512 xv[kTok];
         for (int q = 0; q < kTok; ++q) xv[q] = _mm512_maskz_loadu_ps(m, xs[q] + c);
         for (int i = 0; i < kRows; ++i) {
-          const __m512 av = load16(rows[i] + c, m);
+          const __m512 av = sluice::widen16(rows[i] + c, m);
           for (int q = 0; q < kTok; ++q) acc[i][q] = _mm512_fmadd_ps(av, xv[q], acc[i][q]);
         }
       }
@@ -174,7 +162,7 @@ void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t
     for (int64_t r0 = 0; r0 < rp; r0 += kCols) {
       __m512 bv[kCols];
       for (int i = 0; i < kCols; ++i)
-        bv[i] = r0 + i < r_n ? load16(bs + (r0 + i) * kCols, wm) : _mm512_setzero_ps();
+        bv[i] = r0 + i < r_n ? sluice::widen16(bs + (r0 + i) * kCols, wm) : _mm512_setzero_ps();
       for (int g = i0; g < i1; g += kTok) {
         __m512 acc[kTok];
         const float* hq[kTok];
@@ -242,7 +230,8 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
   if (m_n == 0) return;
   order.resize(m_n);
   {
-    std::vector<int32_t> fill(start.begin(), start.end() - 1);
+    thread_local std::vector<int32_t> fill;
+    fill.assign(start.begin(), start.end() - 1);
     for (int64_t i = 0; i < t; ++i)
       if (slots[i] >= 0 && slots[i] < s_n) order[fill[slots[i]]++] = static_cast<int32_t>(i);
   }

@@ -26,6 +26,15 @@ inline __m512 widen16(const uint16_t* p) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The lanes of `m` only (the rest 0, their memory not touched).
+inline __m512 widen16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 widen16(const uint16_t* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 #ifdef __AVX512F__
 // exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6
 // (relative error ~2e-7), n applied by scalef; x below -87 gives 0.
