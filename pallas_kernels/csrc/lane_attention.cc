@@ -11,6 +11,10 @@
 // Why: in jnp (pallas_kernels/cascade.py) these were XLA einsums over gathered blocks;
 // a 16-token question after a 2,000-token system prompt spent ~45 ms in them
 // (docs/benchmarks.md, "Attention in lanes").
+// Over a bf16 pool, where the CPU has the AMX tile unit (and D is a multiple of 32), the
+// products run on tiles instead (`walk_amx`): scores K Q^T and values P^T V in bf16 with
+// f32 sums, the queries and the softmax weights rounded to bf16 as a GPU's flash
+// attention does; the softmax stays in vectors. An f32 pool keeps the exact vector path.
 //
 // sluice_prefill_attention
 //   q       f32 [S, NQ, KVH, G, D]: a block of NQ queries per row, pre-scaled by
@@ -34,8 +38,9 @@
 //           sluice_decode_attention to continue over the row's own pages.
 // D must be a multiple of 16 and at most 256.
 //
-// (About 470 lines: one walk, its AVX-512 and portable forms, the splitting and merging
-// of long walks, and the two entry points that build its tasks; they change together.)
+// (About 600 lines: one walk, its AMX, AVX-512 and portable forms, the splitting and
+// merging of long walks, and the two entry points that build its tasks; they change
+// together.)
 
 #include <immintrin.h>
 
@@ -46,6 +51,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -58,6 +64,7 @@ constexpr int kV = 3;                  // vectors of 16 lanes a walk holds at mo
 constexpr int kMaxLanes = 16 * kV;
 constexpr int kMaxD = 256;
 constexpr int kChunk = 16;             // keys of one page scored together
+constexpr int kMaxKeys = 32;           // keys of one softmax step at most (AMX: a tile's depth)
 constexpr int64_t kPartKeys = 512;     // a walk is split in parts of at least this many keys
 constexpr float kNeg = -1e30f;
 
@@ -114,6 +121,43 @@ inline int64_t chunk_at(const Pool& P, const int32_t* table, int64_t h, int64_t 
 }
 
 #ifdef __AVX512F__
+// The online softmax's step over the scores s[i][16 v + lane] of keys t.. t + n (a lane
+// sees key t + i iff t + i <= pos): the running max m and sum l move on, corr is what the
+// lanes' weighted values must be scaled by, and s becomes the weights (0 where unseen).
+template <int NV>
+inline void softmax(float* s, int64_t n, int64_t t, const __m512i* pos, __m512* m,
+                    __m512* l, __m512* corr) {
+  constexpr int kRow = 16 * NV;
+  for (int v = 0; v < NV; ++v) {
+    // Every lane sees every key (a shared prefix; a prefill block's earlier keys): no
+    // masks. Unused lanes (pos -1) see none and keep m = kNeg, l = 0.
+    const int32_t* pv = reinterpret_cast<const int32_t*>(pos + v);
+    int32_t first = INT_MAX;
+    for (int j = 0; j < 16; ++j)
+      if (pv[j] >= 0) first = std::min(first, pv[j]);
+    const __mmask16 used = _mm512_cmp_epi32_mask(pos[v], _mm512_setzero_si512(), _MM_CMPINT_NLT);
+    const bool all = t + n - 1 <= first;
+    __mmask16 seen[kMaxKeys];
+    __m512 mx = m[v];
+    for (int i = 0; i < n; ++i) {
+      seen[i] = all ? used : _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t + i)),
+                                                   pos[v], _MM_CMPINT_LE);
+      mx = _mm512_max_ps(mx, _mm512_mask_load_ps(_mm512_set1_ps(kNeg), seen[i],
+                                                 s + i * kRow + 16 * v));
+    }
+    corr[v] = sluice::exp16(_mm512_sub_ps(m[v], mx));
+    l[v] = _mm512_mul_ps(l[v], corr[v]);
+    for (int i = 0; i < n; ++i) {
+      float* si = s + i * kRow + 16 * v;
+      const __m512 p =
+          _mm512_maskz_mov_ps(seen[i], sluice::exp16(_mm512_sub_ps(_mm512_load_ps(si), mx)));
+      _mm512_store_ps(si, p);
+      l[v] = _mm512_add_ps(l[v], p);
+    }
+    m[v] = mx;
+  }
+}
+
 // The online softmax of NV vectors of lanes over keys [t0, t1). Scores: eight keys at a
 // time, each of the d elements broadcast against every vector of queries (8 x NV
 // independent sums); values: 16 (NV = 1) or 8 dimensions at a time, each value element
@@ -132,7 +176,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
     m[v] = _mm512_load_ps(L.m + 16 * v);
     l[v] = _mm512_load_ps(L.l + 16 * v);
   }
-  alignas(64) float s[kChunk][16 * NV];  // scores, then weights
+  alignas(64) float s[kChunk * 16 * NV];  // scores, then weights: [key][lane]
   // A chunk's keys and values widened to f32 (bf16 pools only).
   alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
   alignas(64) float vw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
@@ -178,28 +222,10 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         }
       }
       for (int kk = 0; kk < kKeys; ++kk)
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(s[i + kk] + 16 * v, a[v][kk]);
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(s + (i + kk) * 16 * NV + 16 * v, a[v][kk]);
     }
     __m512 corr[NV];
-    for (int v = 0; v < NV; ++v) {
-      __mmask16 seen[kChunk];
-      __m512 mx = m[v];
-      for (int i = 0; i < n; ++i) {
-        seen[i] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t + i)),
-                                        pos[v], _MM_CMPINT_LE);
-        mx = _mm512_max_ps(mx, _mm512_mask_load_ps(_mm512_set1_ps(kNeg), seen[i],
-                                                   s[i] + 16 * v));
-      }
-      corr[v] = sluice::exp16(_mm512_sub_ps(m[v], mx));
-      l[v] = _mm512_mul_ps(l[v], corr[v]);
-      for (int i = 0; i < n; ++i) {
-        const __m512 p = _mm512_maskz_mov_ps(
-            seen[i], sluice::exp16(_mm512_sub_ps(_mm512_load_ps(s[i] + 16 * v), mx)));
-        _mm512_store_ps(s[i] + 16 * v, p);
-        l[v] = _mm512_add_ps(l[v], p);
-      }
-      m[v] = mx;
-    }
+    softmax<NV>(s, n, t, pos, m, l, corr);
     for (int64_t c = 0; c < d; c += kDims) {  // acc = acc * corr + sum_i p_i v_i
       __m512 a[NV][kDims];
       for (int v = 0; v < NV; ++v)
@@ -207,7 +233,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
           a[v][j] = _mm512_mul_ps(_mm512_load_ps(L.acc[c + j] + 16 * v), corr[v]);
       for (int i = 0; i < n; ++i) {
         __m512 pv[NV];
-        for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_ps(s[i] + 16 * v);
+        for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_ps(s + i * 16 * NV + 16 * v);
         for (int j = 0; j < kDims; ++j) {
           const __m512 b = _mm512_set1_ps(vp[i][c + j]);
           for (int v = 0; v < NV; ++v) a[v][j] = _mm512_fmadd_ps(pv[v], b, a[v][j]);
@@ -224,10 +250,180 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
 }
 #endif
 
+#if defined(SLUICE_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SLUICE_LANE_AMX 1
+// The walk on the tile unit (bf16 pools; d a multiple of 32), blocks of kMaxKeys keys:
+// the scores S [key][lane] = K Q^T (A: the block's keys as stored, 16 x 32 channels; B:
+// the lanes' queries in bf16, "VNNI" order, built once a walk), the softmax on them in
+// vectors as above, then acc^T [lane][channel] += P^T V (A: the weights transposed and
+// rounded to bf16; B: the values with key pairs interleaved). acc^T's channels sit in
+// the order the interleave leaves them (`amx_channel`), put back once at the end.
+// Tiles (all 16 rows x 64 bytes, sluice::tiles_on): 0-2 C, 3 A, 4-6 B.
+struct AmxScratch {
+  alignas(64) uint16_t q[kV][kMaxD / 32][512];  // [lanes][channel half]: [pair][lane][2]
+  alignas(64) uint16_t k[kMaxKeys * kMaxD];     // the block's keys [key][channel]
+  alignas(64) uint16_t vr[kMaxKeys * kMaxD];    // and values
+  alignas(64) uint16_t v[kMaxD / 16][512];      // values: [key pair][16 channels][2]
+  alignas(64) uint16_t p[kV][512];              // weights: [lane][key]
+  alignas(64) float s[kMaxKeys * kMaxLanes];    // scores, then weights: [key][lane]
+  alignas(64) float acc[kMaxLanes * kMaxD];     // [lane][channel in tile order]
+  alignas(64) float corr[kMaxLanes];
+};
+
+// Where channel c sits in acc^T's tile order: unpacklo/hi_epi16 of two keys' 32 channels
+// give, per 128-bit lane j/4, channels 8 (j/4) + j%4 (lo) and + 4 (hi).
+inline int64_t amx_channel(int64_t c) {
+  const int64_t h = c / 32, r = c % 32, w = r % 8;
+  return 32 * h + 16 * (w / 4) + 4 * (r / 8) + w % 4;
+}
+
+template <int NV>
+void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
+              Lanes& L) {
+  thread_local AmxScratch S;
+  const int64_t d = P.d, rs = P.kvh * d, halves = d / 32;
+  const uint16_t* kpool = static_cast<const uint16_t*>(P.k);
+  const uint16_t* vpool = static_cast<const uint16_t*>(P.v);
+  // The queries as B tiles: pair cp of half hh, lane j: channels 32 hh + 2 cp (+1).
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                         25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                         18, 2, 17, 1, 16, 0);
+  for (int v = 0; v < NV; ++v)
+    for (int64_t hh = 0; hh < halves; ++hh)
+      for (int cp = 0; cp < 16; ++cp) {
+        const int64_t c = 32 * hh + 2 * cp;
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(
+            _mm512_load_ps(L.qt[c + 1] + 16 * v), _mm512_load_ps(L.qt[c] + 16 * v));
+        _mm512_store_si512(S.q[v][hh] + 32 * cp, _mm512_permutexvar_epi16(pairs, both));
+      }
+  for (int j = 0; j < 16 * NV; ++j)
+    for (int64_t c = 0; c < d; ++c) S.acc[j * d + amx_channel(c)] = L.acc[c][j];
+  __m512i pos[NV];
+  __m512 m[NV], l[NV];
+  for (int v = 0; v < NV; ++v) {
+    pos[v] = _mm512_load_si512(L.pos + 16 * v);
+    m[v] = _mm512_load_ps(L.m + 16 * v);
+    l[v] = _mm512_load_ps(L.l + 16 * v);
+  }
+  sluice::tiles_on();
+  for (int64_t t = t0; t < t1;) {
+    int64_t n = 0;  // the block's keys, gathered from their pages
+    while (n < kMaxKeys && t + n < t1) {
+      int64_t c;
+      const int64_t at = chunk_at(P, table, h, t + n, t1, &c);
+      c = std::min<int64_t>(c, kMaxKeys - n);
+      for (int64_t i = 0; i < c; ++i)
+        for (int64_t x = 0; x < d; x += 32) {
+          _mm512_store_si512(S.k + (n + i) * d + x, _mm512_loadu_si512(kpool + at + i * rs + x));
+          _mm512_store_si512(S.vr + (n + i) * d + x, _mm512_loadu_si512(vpool + at + i * rs + x));
+        }
+      n += c;
+    }
+    if (n < kMaxKeys) {
+      std::memset(S.k + n * d, 0, 2 * d * (kMaxKeys - n));
+      std::memset(S.vr + n * d, 0, 2 * d * (kMaxKeys - n));
+    }
+    for (int64_t tn = t + n, i = 0, c; i < 2 && tn < t1; ++i, tn += c) {  // the next block
+      const int64_t at = chunk_at(P, table, h, tn, t1, &c);
+      for (int64_t r = 0; r < c; ++r)
+        for (int64_t x = 0; x < d; x += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(kpool + at + r * rs + x), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vpool + at + r * rs + x), _MM_HINT_T0);
+        }
+    }
+    for (int kp = 0; kp < kMaxKeys / 2; ++kp)  // values as B tiles
+      for (int64_t hh = 0; hh < halves; ++hh) {
+        const __m512i a = _mm512_load_si512(S.vr + 2 * kp * d + 32 * hh);
+        const __m512i b = _mm512_load_si512(S.vr + (2 * kp + 1) * d + 32 * hh);
+        _mm512_store_si512(S.v[2 * hh] + 32 * kp, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(S.v[2 * hh + 1] + 32 * kp, _mm512_unpackhi_epi16(a, b));
+      }
+    for (int sub = 0; sub < kMaxKeys / 16 && 16 * sub < n; ++sub) {  // scores
+      _tile_zero(0);
+      if constexpr (NV > 1) _tile_zero(1);
+      if constexpr (NV > 2) _tile_zero(2);
+      for (int64_t hh = 0; hh < halves; ++hh) {
+        _tile_loadd(3, S.k + 16 * sub * d + 32 * hh, 2 * d);
+        _tile_loadd(4, S.q[0][hh], 64);
+        _tile_dpbf16ps(0, 3, 4);
+        if constexpr (NV > 1) {
+          _tile_loadd(5, S.q[1][hh], 64);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+        if constexpr (NV > 2) {
+          _tile_loadd(6, S.q[2][hh], 64);
+          _tile_dpbf16ps(2, 3, 6);
+        }
+      }
+      float* out = S.s + 16 * sub * 16 * NV;
+      _tile_stored(0, out, 64 * NV);
+      if constexpr (NV > 1) _tile_stored(1, out + 16, 64 * NV);
+      if constexpr (NV > 2) _tile_stored(2, out + 32, 64 * NV);
+    }
+    __m512 corr[NV];
+    softmax<NV>(S.s, n, t, pos, m, l, corr);
+    for (int64_t i = n; i < kMaxKeys; ++i)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(S.s + (i * NV + v) * 16, _mm512_setzero_ps());
+    for (int v = 0; v < NV; ++v) {  // the weights as A tiles, [lane][key]
+      __m512 lo[16], hi[16];
+      for (int i = 0; i < 16; ++i) {
+        lo[i] = _mm512_load_ps(S.s + (i * NV + v) * 16);
+        hi[i] = _mm512_load_ps(S.s + ((16 + i) * NV + v) * 16);
+      }
+      sluice::transpose16(lo);
+      sluice::transpose16(hi);
+      for (int j = 0; j < 16; ++j)
+        _mm512_store_si512(S.p[v] + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(hi[j], lo[j]));
+      // the lanes' values so far, scaled where their max moved
+      if (_mm512_cmp_ps_mask(corr[v], _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) {
+        _mm512_store_ps(S.corr + 16 * v, corr[v]);
+        for (int j = 16 * v; j < 16 * v + 16; ++j) {
+          const __m512 cj = _mm512_set1_ps(S.corr[j]);
+          for (int64_t c = 0; c < d; c += 16)
+            _mm512_store_ps(S.acc + j * d + c,
+                            _mm512_mul_ps(_mm512_load_ps(S.acc + j * d + c), cj));
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {  // acc^T += P^T V, two column blocks in flight
+      _tile_loadd(3, S.p[v], 64);
+      float* a = S.acc + 16 * v * d;
+      for (int64_t cb = 0; cb < d / 16; cb += 2) {
+        _tile_loadd(0, a + 16 * cb, 4 * d);
+        _tile_loadd(4, S.v[cb], 64);
+        _tile_loadd(1, a + 16 * cb + 16, 4 * d);
+        _tile_loadd(5, S.v[cb + 1], 64);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_stored(0, a + 16 * cb, 4 * d);
+        _tile_stored(1, a + 16 * cb + 16, 4 * d);
+      }
+    }
+    t += n;
+  }
+  _tile_release();
+  for (int v = 0; v < NV; ++v) {
+    _mm512_store_ps(L.m + 16 * v, m[v]);
+    _mm512_store_ps(L.l + 16 * v, l[v]);
+  }
+  for (int j = 0; j < 16 * NV; ++j)
+    for (int64_t c = 0; c < d; ++c) L.acc[c][j] = S.acc[j * d + amx_channel(c)];
+}
+#endif
+
 // The lanes' online softmax over keys [t0, t1) of one KV head, read through `table`.
 template <typename T>
 void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
                Lanes& L) {
+#ifdef SLUICE_LANE_AMX
+  if (sizeof(T) == 2 && P.d % 32 == 0 && sluice::amx_permitted()) {
+    switch (L.vectors()) {
+      case 1: return walk_amx<1>(P, table, h, t0, t1, L);
+      case 2: return walk_amx<2>(P, table, h, t0, t1, L);
+      default: return walk_amx<3>(P, table, h, t0, t1, L);
+    }
+  }
+#endif
 #ifdef __AVX512F__
   switch (L.vectors()) {
     case 1: return walk<1, T>(P, table, h, t0, t1, L);

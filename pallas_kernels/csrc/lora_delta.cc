@@ -96,40 +96,6 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
   }
 }
 
-#ifdef SLUICE_LORA_AVX512
-// r[i] becomes column i of the 16 x 16 matrix whose rows were r[0..15].
-inline void transpose16(__m512* r) {
-  __m512 u[16];
-  for (int i = 0; i < 8; ++i) {
-    u[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    u[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  auto lo = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  auto hi = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  __m512 v[16];  // v[4i + k], 128-bit lane L: rows 4i..4i+3 at column 4L + k
-  for (int i = 0; i < 4; ++i) {
-    v[4 * i] = lo(u[4 * i], u[4 * i + 2]);
-    v[4 * i + 1] = hi(u[4 * i], u[4 * i + 2]);
-    v[4 * i + 2] = lo(u[4 * i + 1], u[4 * i + 3]);
-    v[4 * i + 3] = hi(u[4 * i + 1], u[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512 a = _mm512_shuffle_f32x4(v[k], v[4 + k], 0x88);
-    const __m512 b = _mm512_shuffle_f32x4(v[k], v[4 + k], 0xDD);
-    const __m512 c = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0x88);
-    const __m512 d = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0xDD);
-    r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    r[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
-    r[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
-}
-#endif
-
 // Phase 2 for one block of kCols output columns [o0, o0 + w) of target j (`blk`: its
 // B block in every slot, R rows of kCols contiguous) and the tokens [c0, c0 + nt)
 // (nt <= 16): out += B[slot] @ h for each token under an adapter. The chunk's tokens are
@@ -182,7 +148,7 @@ void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t
   if (fm) {
     __mmask16 tm = 0;  // the lanes (tokens) to add
     for (int i = 0; i < cnt; ++i) tm |= (__mmask16)(1u << toks[i]);
-    transpose16(tile);
+    sluice::transpose16(tile);
     for (int64_t i = 0; i < w; ++i) {
       float* p = out + (o0 + i) * t + c0;
       _mm512_mask_storeu_ps(p, tm, _mm512_add_ps(_mm512_maskz_loadu_ps(tm, p), tile[i]));

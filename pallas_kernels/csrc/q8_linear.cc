@@ -42,14 +42,12 @@
 
 #include <immintrin.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -61,9 +59,6 @@ constexpr int64_t kBlock = 32;  // values per scale
 constexpr int64_t kGroup = 16;  // columns packed together
 constexpr int64_t kSub = 4;     // columns of a register tile (AVX-512 paths)
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define SLUICE_AMX 1
-#endif
 
 
 // float -> bf16 bits, rounding to nearest even (as the AVX-512 conversion does), and back.
@@ -216,31 +211,6 @@ void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int
 // AMX. Tiles 0-3 accumulate C [16 columns][16 rows] f32 for up to 4 row tiles, tile 4
 // holds a block of the weights (A: 16 columns x 32 k, bf16) and tiles 5-7 the
 // activations' block (B: 16 pairs of k x 16 rows x 2, bf16, "VNNI" order).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// The OS grants a process the tile state on request (Linux >= 5.16); once.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-void tiles_on() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) {
-    c.colsb[i] = 64;
-    c.rows[i] = 16;
-  }
-  _tile_loadconfig(&c);
-}
 
 // The activations as B tiles: xv[((mt * K/32 + b) * 16 + r) * 32 + m * 2 + i] is
 // x[row 16 mt + m][k = 32 b + 2 r + i] as bf16, rows past t zero.
@@ -384,14 +354,14 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   constexpr int64_t kGroups = 4;  // groups a work item: 64 columns
   const int64_t groups = np / kGroup, items = (groups + kGroups - 1) / kGroups;
 #ifdef SLUICE_AMX
-  if (amx_permitted()) {
+  if (sluice::amx_permitted()) {
     thread_local std::vector<uint16_t> xv;
     const int64_t mtiles = (t + 15) / 16;
     xv.resize(mtiles * (k / kBlock) * 512);
     to_vnni(x.typed_data(), fm, t, k, mtiles, xv.data());
     const uint16_t* xvp = xv.data();  // (in the lambda, `xv` would be the worker's own)
     sluice::parallel_for(pool, items, [&](int64_t p) {
-      tiles_on();
+      sluice::tiles_on();
       for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
         group_amx(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xvp, k, t,
                   g * kGroup, o);
@@ -447,7 +417,7 @@ extern "C" int sluice_q8_avx512() {
 // 1 when built with the AMX path and the OS grants the tile state, else 0.
 extern "C" int sluice_q8_amx() {
 #ifdef SLUICE_AMX
-  return amx_permitted() ? 1 : 0;
+  return sluice::amx_permitted() ? 1 : 0;
 #else
   return 0;
 #endif

@@ -56,4 +56,38 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+// r[i] becomes column i of the 16 x 16 matrix whose rows were r[0..15].
+inline void transpose16(__m512* r) {
+  __m512 u[16];
+  for (int i = 0; i < 8; ++i) {
+    u[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  __m512 v[16];  // v[4i + k], 128-bit lane L: rows 4i..4i+3 at column 4L + k
+  for (int i = 0; i < 4; ++i) {
+    v[4 * i] = lo(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 1] = hi(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 2] = lo(u[4 * i + 1], u[4 * i + 3]);
+    v[4 * i + 3] = hi(u[4 * i + 1], u[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = _mm512_shuffle_f32x4(v[k], v[4 + k], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(v[k], v[4 + k], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(v[8 + k], v[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+#endif
+
 }  // namespace sluice

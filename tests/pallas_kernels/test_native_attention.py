@@ -1,6 +1,9 @@
 """The native attention kernels' portable build (no AVX-512: a CI machine may be one)
 against the dense reference: prefill blocks, and a shared prefix then each row's own
-pages, over f32 pools and over pools of bf16 bit patterns. The default build is checked through the CPU backend (test_backends.py)."""
+pages, over f32 pools and over pools of bf16 bit patterns. The default build is checked through the CPU backend (test_backends.py);
+here too where it reads a bf16 pool through the AMX tile unit (queries and weights
+rounded to bf16: within bf16's precision of the reference, and the build without AMX
+exactly as before)."""
 
 from __future__ import annotations
 
@@ -11,11 +14,11 @@ import pytest
 from pallas_kernels import native, paged_attention_dense
 
 
-def _case(rows, queries, seed, bits=False):
+def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8):
     """`bits`: the pools hold bf16 bit patterns (uint16), the reference reads the same
     values widened to f32."""
     rng = np.random.default_rng(seed)
-    ps, kvh, g, d, width = 4, 2, 3, 16, 8
+    kvh, g = 2, 3
     pages = 3 + rows * (width - 2)
     pool = (pages, ps, kvh, d)
     k, v = (rng.standard_normal(pool).astype(np.float32) for _ in range(2))
@@ -23,9 +26,9 @@ def _case(rows, queries, seed, bits=False):
         k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16)) for a in (k, v))
     ids = rng.permutation(np.arange(1, pages))
     tables = np.zeros((rows, width), np.int32)
-    tables[:, :2] = ids[:2]  # every row starts with the same two pages (8 keys)
+    tables[:, :2] = ids[:2]  # every row starts with the same two pages (2 ps keys)
     tables[:, 2:] = ids[2:2 + rows * (width - 2)].reshape(rows, width - 2)
-    ctx = rng.integers(8 + queries, width * ps, rows).astype(np.int32)
+    ctx = rng.integers(2 * ps + queries, width * ps, rows).astype(np.int32)
     ql = np.full(rows, queries, np.int32)
     ctx[-1] = ql[-1] = 0  # a padding row
     q = rng.standard_normal((rows, queries, kvh * g, d)).astype(np.float32)
@@ -61,3 +64,41 @@ def test_portable_prefix_then_own_pages_match_dense(portable, bits):
                                       target=dec)
         np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
                                    atol=1e-5, rtol=1e-5)
+
+
+def _bf16_close(out, ref):
+    """Within what rounding the queries and the softmax weights to bf16 costs."""
+    out = np.asarray(out).reshape(ref.shape)
+    assert np.abs(out - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("ps", [16, 4], ids=["pages-of-16", "blocks-across-pages"])
+def test_amx_prefill_on_bf16_pool(noamx, ps):
+    """d = 64 (the tile unit's path where the CPU has it): 7 queries x 3 heads per row
+    (NV = 2), causal within the block, keys gathered across pages."""
+    qg, k, v, tables, ctx, ql, ref = _case(5, 7, 2, True, d=64, ps=ps, width=64 // ps * 3)
+    amx = native.prefill_attention(qg, k, v, 0, tables, ctx, ql)
+    _bf16_close(amx, ref)
+    out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql,
+                                   target=noamx[native.PREFILL_TARGET])
+    np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
+    if native.available()[1] == "amx":  # the tile unit's path was the one taken
+        assert np.abs(np.asarray(amx) - np.asarray(out)).max() > 1e-5
+
+
+@pytest.mark.parametrize("rows", [20, 5], ids=["three-vectors", "one-vector"])
+def test_amx_prefix_then_own_pages_on_bf16_pool(noamx, rows):
+    qg, k, v, tables, ctx, ql, ref = _case(rows, 1, 3, True, d=64, ps=16, width=6)
+    shared = np.zeros((2, tables.shape[1]), np.int32)
+    shared[0, :2] = tables[0, :2]
+    rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
+    start = np.where(rows_of > 0, 32, 0).astype(np.int32)
+    for pre, dec, check in (
+            (native.PREFIX_TARGET, native.ATTENTION_TARGET, _bf16_close),
+            (noamx[native.PREFIX_TARGET], noamx[native.ATTENTION_TARGET],
+             lambda out, ref: np.testing.assert_allclose(
+                 np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5))):
+        m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
+                                            np.array([32, 0], np.int32), rows_of, target=pre)
+        check(native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l, acc,
+                                      target=dec), ref)
