@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel (default: the config's)")
     s.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
-                   help="what the KV pool stores; CPU: bfloat16 holds twice the tokens "
-                        "and halves attention's reads (default: the config's)")
+                   help="what the KV pool stores; auto: bfloat16 beside int8 weights on "
+                        "the CPU (twice the tokens, AMX attention), else the model's dtype "
+                        "(default: the config's)")
     m = s.add_argument_group(
         "multi-host replica", "one replica over N processes (jax.distributed): process 0 "
         "serves HTTP, the others only run its steps on their devices (docs/operations.md)")

@@ -6,7 +6,8 @@ own ("long"), once per variant (each runner its own, steps alternating between t
 A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
 never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` among them sets
-the runner's KV pool instead. Median of 5, ms. Prints one JSON line.
+the runner's KV pool instead, and `"amx": false` keeps a bf16 pool's lane attention off
+the AMX tile unit (the AVX-512 path) for that variant's steps. Median of 5, ms. Prints one JSON line.
 
     .venv/bin/python benchmarks/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.runner import ModelRunner  # noqa: E402
+from pallas_kernels import native  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 
@@ -60,27 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=["native={}", 'jnp={"native": false}'])
     args = ap.parse_args(argv)
     loaded = load_model("embedded", progress=False)
-    runners = {}
+    lib = native.load()
+    runners, amx = {}, {}
     for variant in args.variants:
         label, _, options = variant.partition("=")
         options = json.loads(options or "{}")
         kv = options.pop("kv_cache_dtype", "auto")  # the runner's, not the backend's
+        amx[label] = options.pop("amx", True)
         r = ModelRunner(loaded.config, loaded.params, quantization="auto", page_size=PS,
                         kv_cache_bytes=1 << 30, max_context=8192,
                         decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=(16, 64, 256),
                         mixed_decode_buckets=(4, 16), max_prefill_seqs=1,
                         kv_cache_dtype=kv, attention_options=options)
+        lib.sluice_lane_amx(int(amx[label]))
         r.warmup()
         runners[label] = r
     out = {}
     for decodes, chunk in CASES:
         p = plan(decodes, chunk)
-        for r in runners.values():
+        for label, r in runners.items():
+            lib.sluice_lane_amx(int(amx[label]))
             r.step(p)
             r.step(p)
         times: dict[str, list[float]] = {label: [] for label in runners}
         for _ in range(5):
             for label, r in runners.items():
+                lib.sluice_lane_amx(int(amx[label]))
                 t = time.perf_counter()
                 r.step(p)
                 times[label].append(time.perf_counter() - t)

@@ -148,6 +148,24 @@ class ModelRunner:
                  else mixed_decode_buckets)
         self.mixed_decode_buckets = sorted(set(mixed))
 
+        if quantization == "auto":
+            quantization = "none"
+            if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
+                from pallas_kernels.native import available
+
+                ok, why = available()
+                if ok:
+                    quantization = "int8"
+                else:
+                    log.warning("int8 weights unavailable, serving f32: %s", why)
+        if quantization == "int8":
+            from pallas_kernels.native import NativeUnavailable, available
+
+            ok, why = available()
+            if not ok:
+                raise NativeUnavailable(f"quantization 'int8' needs the CPU's native kernel: "
+                                        f"{why}")
+        self.quantization = quantization
         self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n)
         self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                                    * np.dtype(self.kv_storage).itemsize)
@@ -182,24 +200,6 @@ class ModelRunner:
         if quantization not in ("auto", "none", "int8"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int8', not "
                              f"{quantization!r}")
-        if quantization == "auto":
-            quantization = "none"
-            if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
-                from pallas_kernels.native import available
-
-                ok, why = available()
-                if ok:
-                    quantization = "int8"
-                else:
-                    log.warning("int8 weights unavailable, serving f32: %s", why)
-        if quantization == "int8":
-            from pallas_kernels.native import NativeUnavailable, available
-
-            ok, why = available()
-            if not ok:
-                raise NativeUnavailable(f"quantization 'int8' needs the CPU's native kernel: "
-                                        f"{why}")
-        self.quantization = quantization
         self.params = prepare_params(
             params, cfg, self.dtype, feature_major=self.feature_major,
             switched_mlp=self.switched_mlp, int8=quantization == "int8", shards=tp_n,
@@ -251,14 +251,20 @@ class ModelRunner:
         self._prev_tokens = np.zeros(self._prev_width, np.int32)
 
     def _kv_dtype(self, kv_cache_dtype: str, attention: str | None, tp_n: int):
-        """(what the KV pool holds, the array dtype it is stored as). bf16 on the CPU is
-        stored as its bit patterns in uint16: XLA:CPU has no native bf16 scatter or
-        gather (a bf16 pool's step ran for minutes, docs/benchmarks.md), and only the
+        """(what the KV pool holds, the array dtype it is stored as). "auto": the model's
+        dtype, except beside int8 weights on the CPU (the native kernels' path), where it
+        is bf16: half the bytes a token, and the lane attention's products run on the
+        AMX tile unit where the CPU has one (docs/benchmarks.md, "Lane attention on AMX
+        tiles"). bf16 on the CPU is stored as its bit patterns in uint16: XLA:CPU has no
+        native bf16 scatter or gather (a bf16 pool's step ran for minutes), and only the
         native attention kernels read it, widening as they go."""
         if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', not "
                              f"{kv_cache_dtype!r}")
         dtype = self.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
+        if (kv_cache_dtype == "auto" and self.quantization == "int8"
+                and attention in (None, "cpu") and tp_n == 1):
+            dtype = jnp.dtype(jnp.bfloat16)  # int8 means the native kernels are here
         if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
             return dtype, dtype
         from pallas_kernels.native import available

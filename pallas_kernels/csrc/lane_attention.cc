@@ -45,6 +45,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -252,12 +253,15 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
 
 #if defined(SLUICE_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SLUICE_LANE_AMX 1
+// Benchmarks switch the tile unit's path off and on in one process (sluice_lane_amx).
+std::atomic<bool> lane_amx{true};
+
 // The walk on the tile unit (bf16 pools; d a multiple of 32), blocks of kMaxKeys keys:
 // the scores S [key][lane] = K Q^T (A: the block's keys as stored, 16 x 32 channels; B:
 // the lanes' queries in bf16, "VNNI" order, built once a walk), the softmax on them in
 // vectors as above, then acc^T [lane][channel] += P^T V (A: the weights transposed and
 // rounded to bf16; B: the values with key pairs interleaved). acc^T's channels sit in
-// the order the interleave leaves them (`amx_channel`), put back once at the end.
+// the order the interleave leaves them (`amx_column`), put back once at the end.
 // Tiles (all 16 rows x 64 bytes, sluice::tiles_on): 0-2 C, 3 A, 4-6 B.
 struct AmxScratch {
   alignas(64) uint16_t q[kV][kMaxD / 32][512];  // [lanes][channel half]: [pair][lane][2]
@@ -270,11 +274,11 @@ struct AmxScratch {
   alignas(64) float corr[kMaxLanes];
 };
 
-// Where channel c sits in acc^T's tile order: unpacklo/hi_epi16 of two keys' 32 channels
-// give, per 128-bit lane j/4, channels 8 (j/4) + j%4 (lo) and + 4 (hi).
-inline int64_t amx_channel(int64_t c) {
-  const int64_t h = c / 32, r = c % 32, w = r % 8;
-  return 32 * h + 16 * (w / 4) + 4 * (r / 8) + w % 4;
+// The channel in column i of acc^T's block cb: blocks 2h and 2h + 1 hold channels
+// 32h.. 32h + 31 as unpacklo/hi_epi16 of two keys' 32 channels leave them: per 128-bit
+// lane i/4, channels 8 (i/4) + i%4 (lo) and 8 (i/4) + 4 + i%4 (hi).
+inline int64_t amx_column(int64_t cb, int i) {
+  return 32 * (cb / 2) + 8 * (i / 4) + 4 * (cb % 2) + i % 4;
 }
 
 template <int NV>
@@ -296,8 +300,14 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
             _mm512_load_ps(L.qt[c + 1] + 16 * v), _mm512_load_ps(L.qt[c] + 16 * v));
         _mm512_store_si512(S.q[v][hh] + 32 * cp, _mm512_permutexvar_epi16(pairs, both));
       }
-  for (int j = 0; j < 16 * NV; ++j)
-    for (int64_t c = 0; c < d; ++c) S.acc[j * d + amx_channel(c)] = L.acc[c][j];
+  // acc^T from the lanes' acc ([channel][lane]; zero on a fresh walk), 16 x 16 at a time.
+  for (int v = 0; v < NV; ++v)
+    for (int64_t cb = 0; cb < d / 16; ++cb) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(L.acc[amx_column(cb, i)] + 16 * v);
+      sluice::transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(S.acc + (16 * v + j) * d + 16 * cb, r[j]);
+    }
   __m512i pos[NV];
   __m512 m[NV], l[NV];
   for (int v = 0; v < NV; ++v) {
@@ -406,8 +416,13 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
     _mm512_store_ps(L.m + 16 * v, m[v]);
     _mm512_store_ps(L.l + 16 * v, l[v]);
   }
-  for (int j = 0; j < 16 * NV; ++j)
-    for (int64_t c = 0; c < d; ++c) L.acc[c][j] = S.acc[j * d + amx_channel(c)];
+  for (int v = 0; v < NV; ++v)
+    for (int64_t cb = 0; cb < d / 16; ++cb) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_load_ps(S.acc + (16 * v + j) * d + 16 * cb);
+      sluice::transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(L.acc[amx_column(cb, i)] + 16 * v, r[i]);
+    }
 }
 #endif
 
@@ -416,7 +431,8 @@ template <typename T>
 void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
                Lanes& L) {
 #ifdef SLUICE_LANE_AMX
-  if (sizeof(T) == 2 && P.d % 32 == 0 && sluice::amx_permitted()) {
+  if (sizeof(T) == 2 && P.d % 32 == 0 && lane_amx.load(std::memory_order_relaxed) &&
+      sluice::amx_permitted()) {
     switch (L.vectors()) {
       case 1: return walk_amx<1>(P, table, h, t0, t1, L);
       case 2: return walk_amx<2>(P, table, h, t0, t1, L);
@@ -666,3 +682,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefixAttention, PrefixAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>()   // l
                                   .Ret<ffi::Buffer<ffi::F32>>());  // acc
+
+// Whether bf16 pools are read through the AMX tile unit (1 where it can be, 0 where this
+// build or the OS has none); `on` >= 0 sets it (benchmarks/attention_ab.py's A/B).
+extern "C" int sluice_lane_amx(int on) {
+#ifdef SLUICE_LANE_AMX
+  if (on >= 0) lane_amx.store(on != 0);
+  return lane_amx.load() && sluice::amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
