@@ -38,7 +38,7 @@
 //           sluice_decode_attention to continue over the row's own pages.
 // D must be a multiple of 16 and at most 256.
 //
-// (About 600 lines: one walk, its AMX, AVX-512 and portable forms, the splitting and
+// (About 670 lines: one walk, its AMX, AVX-512 and portable forms, the splitting and
 // merging of long walks, and the two entry points that build its tasks; they change
 // together.)
 
@@ -122,6 +122,23 @@ inline int64_t chunk_at(const Pool& P, const int32_t* table, int64_t h, int64_t 
 }
 
 #ifdef __AVX512F__
+// The lanes' positions and running softmax (max, sum) in and out of registers.
+template <int NV>
+inline void state_in(const Lanes& L, __m512i* pos, __m512* m, __m512* l) {
+  for (int v = 0; v < NV; ++v) {
+    pos[v] = _mm512_load_si512(L.pos + 16 * v);
+    m[v] = _mm512_load_ps(L.m + 16 * v);
+    l[v] = _mm512_load_ps(L.l + 16 * v);
+  }
+}
+template <int NV>
+inline void state_out(Lanes& L, const __m512* m, const __m512* l) {
+  for (int v = 0; v < NV; ++v) {
+    _mm512_store_ps(L.m + 16 * v, m[v]);
+    _mm512_store_ps(L.l + 16 * v, l[v]);
+  }
+}
+
 // The online softmax's step over the scores s[i][16 v + lane] of keys t.. t + n (a lane
 // sees key t + i iff t + i <= pos): the running max m and sum l move on, corr is what the
 // lanes' weighted values must be scaled by, and s becomes the weights (0 where unseen).
@@ -172,11 +189,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
   const T* vpool = static_cast<const T*>(P.v);
   __m512i pos[NV];
   __m512 m[NV], l[NV];
-  for (int v = 0; v < NV; ++v) {
-    pos[v] = _mm512_load_si512(L.pos + 16 * v);
-    m[v] = _mm512_load_ps(L.m + 16 * v);
-    l[v] = _mm512_load_ps(L.l + 16 * v);
-  }
+  state_in<NV>(L, pos, m, l);
   alignas(64) float s[kChunk * 16 * NV];  // scores, then weights: [key][lane]
   // A chunk's keys and values widened to f32 (bf16 pools only).
   alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
@@ -244,10 +257,7 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
         for (int j = 0; j < kDims; ++j) _mm512_store_ps(L.acc[c + j] + 16 * v, a[v][j]);
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    _mm512_store_ps(L.m + 16 * v, m[v]);
-    _mm512_store_ps(L.l + 16 * v, l[v]);
-  }
+  state_out<NV>(L, m, l);
 }
 #endif
 
@@ -310,11 +320,7 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
     }
   __m512i pos[NV];
   __m512 m[NV], l[NV];
-  for (int v = 0; v < NV; ++v) {
-    pos[v] = _mm512_load_si512(L.pos + 16 * v);
-    m[v] = _mm512_load_ps(L.m + 16 * v);
-    l[v] = _mm512_load_ps(L.l + 16 * v);
-  }
+  state_in<NV>(L, pos, m, l);
   sluice::tiles_on();
   for (int64_t t = t0; t < t1;) {
     int64_t n = 0;  // the block's keys, gathered from their pages
@@ -412,10 +418,7 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
     t += n;
   }
   _tile_release();
-  for (int v = 0; v < NV; ++v) {
-    _mm512_store_ps(L.m + 16 * v, m[v]);
-    _mm512_store_ps(L.l + 16 * v, l[v]);
-  }
+  state_out<NV>(L, m, l);
   for (int v = 0; v < NV; ++v)
     for (int64_t cb = 0; cb < d / 16; ++cb) {
       __m512 r[16];
