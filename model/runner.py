@@ -148,6 +148,12 @@ class ModelRunner:
                  else mixed_decode_buckets)
         self.mixed_decode_buckets = sorted(set(mixed))
 
+        # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
+        # CPU backend's native kernel in every shape; their f32 copies are not kept.
+        # "auto": int8 on the CPU where the kernel builds, else the weights' dtype.
+        if quantization not in ("auto", "none", "int8"):
+            raise ValueError(f"quantization must be 'auto', 'none' or 'int8', not "
+                             f"{quantization!r}")
         if quantization == "auto":
             quantization = "none"
             if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
@@ -194,12 +200,6 @@ class ModelRunner:
         # of a stacked weight before its matmul (model/llama.py, _per_layer).
         self.switched_mlp = (jax.default_backend() == "cpu" if switched_mlp is None
                              else switched_mlp)
-        # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
-        # CPU backend's native kernel in every shape; their f32 copies are not kept.
-        # "auto": int8 on the CPU where the kernel builds, else the weights' dtype.
-        if quantization not in ("auto", "none", "int8"):
-            raise ValueError(f"quantization must be 'auto', 'none' or 'int8', not "
-                             f"{quantization!r}")
         self.params = prepare_params(
             params, cfg, self.dtype, feature_major=self.feature_major,
             switched_mlp=self.switched_mlp, int8=quantization == "int8", shards=tp_n,

@@ -1,7 +1,8 @@
 """A KV pool of bf16 on the CPU (`kv_cache_dtype = "bfloat16"`): stored as bf16 bit
 patterns in uint16 and widened by the native attention kernels as they read. Twice the
 tokens in the same bytes, the numpy oracle's logits within bf16's reach, no full copies
-of the pool in the compiled steps, and a clear refusal where nothing could read it."""
+of the pool in the compiled steps, a clear refusal where nothing could read it, and
+"auto" choosing it beside int8 weights."""
 
 from __future__ import annotations
 
@@ -82,3 +83,14 @@ def test_no_full_pool_copies_in_compiled_steps(runners):
 def test_where_nothing_reads_bf16_bits_it_is_refused():
     with pytest.raises(ValueError, match="native kernels"):
         ModelRunner(TINY, PARAMS, kv_cache_dtype="bfloat16", attention="dense", **KW)
+
+
+def test_auto_is_bf16_beside_int8_weights():
+    """The CPU's default preset (int8 weights, the native kernels there) gets the bf16
+    pool; f32 weights keep the exact f32 pool, and "float32" opts out."""
+    def pool(**kw):
+        return ModelRunner(TINY, PARAMS, **KW, **kw).describe()["kv_cache_dtype"]
+    assert pool(quantization="int8") == "bfloat16"
+    assert pool(quantization="auto") == "bfloat16"
+    assert pool(quantization="none") == "float32"
+    assert pool(quantization="int8", kv_cache_dtype="float32") == "float32"
