@@ -44,7 +44,7 @@ def cases(k, v, rng) -> dict:
     out = {}
     tables = jnp.asarray(rng.permutation(np.arange(1, P))[:W][None].astype(np.int32))
     for nq, ctx in ((16, 2016), (64, 2064), (256, 6000)):
-        q = jnp.asarray(rng.standard_normal((1, nq, KVH, G, D)).astype(np.float32))
+        q = jnp.asarray(rng.standard_normal((1, nq, KVH, G, D)).astype(np.float32) * D ** -0.5)
         f = jax.jit(lambda q, tb, ctx=ctx, nq=nq: native.prefill_attention(
             q, k, v, 0, tb, jnp.array([ctx]), jnp.array([nq])))
         s = timed(f, q, tables)
@@ -53,7 +53,7 @@ def cases(k, v, rng) -> dict:
                                          "gmac_per_s": round(mac / s / 1e9, 1)}
     pages = jnp.asarray(np.arange(1, 4 * 125 + 1).reshape(4, 125).astype(np.int32))
     for rows, prefixes in ((2, 1), (4, 1), (16, 1), (16, 4)):
-        q = jnp.asarray(rng.standard_normal((rows, KVH, G, D)).astype(np.float32))
+        q = jnp.asarray(rng.standard_normal((rows, KVH, G, D)).astype(np.float32) * D ** -0.5)
         length = jnp.array([2000] * prefixes + [0] * (4 - prefixes))
         of = jnp.asarray(np.arange(rows) % prefixes + 1, jnp.int32)
         f = jax.jit(lambda q, pg, length=length, of=of: native.prefix_attention(
