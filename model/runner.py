@@ -172,7 +172,8 @@ class ModelRunner:
                 raise NativeUnavailable(f"quantization 'int8' needs the CPU's native kernel: "
                                         f"{why}")
         self.quantization = quantization
-        self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n)
+        self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n,
+                                                        attention_options or {})
         self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                                    * np.dtype(self.kv_storage).itemsize)
         if num_pages is None:
@@ -250,7 +251,8 @@ class ModelRunner:
         self._prev_width = max((self._sample_rows(b) for b in self.programs.all), default=1)
         self._prev_tokens = np.zeros(self._prev_width, np.int32)
 
-    def _kv_dtype(self, kv_cache_dtype: str, attention: str | None, tp_n: int):
+    def _kv_dtype(self, kv_cache_dtype: str, attention: str | None, tp_n: int,
+                  attention_options: dict):
         """(what the KV pool holds, the array dtype it is stored as). "auto": the model's
         dtype, except beside int8 weights on the CPU (the native kernels' path), where it
         is bf16: half the bytes a token, and the lane attention's products run on the
@@ -263,14 +265,16 @@ class ModelRunner:
                              f"{kv_cache_dtype!r}")
         dtype = self.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
         if (kv_cache_dtype == "auto" and self.quantization == "int8"
-                and attention in (None, "cpu") and tp_n == 1):
+                and attention in (None, "cpu") and tp_n == 1
+                and attention_options.get("native") is not False):
             dtype = jnp.dtype(jnp.bfloat16)  # int8 means the native kernels are here
         if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
             return dtype, dtype
         from pallas_kernels.native import available
 
         ok, why = available()
-        if attention not in (None, "cpu") or tp_n > 1 or not ok:
+        if (attention not in (None, "cpu") or tp_n > 1 or not ok
+                or attention_options.get("native") is False):
             if kv_cache_dtype == "auto":  # a bf16 model's own pool, read by jnp (slow)
                 return dtype, dtype
             raise ValueError("a bfloat16 KV pool on the CPU needs the CPU attention backend's "

@@ -94,3 +94,5 @@ def test_auto_is_bf16_beside_int8_weights():
     assert pool(quantization="auto") == "bfloat16"
     assert pool(quantization="none") == "float32"
     assert pool(quantization="int8", kv_cache_dtype="float32") == "float32"
+    # the jnp attention reads no bit patterns: int8 weights beside it keep the f32 pool
+    assert pool(quantization="int8", attention_options={"native": False}) == "float32"
