@@ -118,6 +118,10 @@ class _EngineCollector:
                             "The pool's TTFT target admission predicts against (0: off).")
         itl_target = gauge("itl_target_seconds",
                            "The pool's inter-token latency target (0: off).")
+        ttft_factor = gauge("ttft_prediction_factor",
+                            "How late first tokens come against admission's predictions "
+                            "(recent measured / predicted TTFT, 90th percentile, 1-1.5); "
+                            "the door judges newcomers' TTFT at the prediction times this.")
         prediction = HistogramMetricFamily(
             "sluice:step_time_prediction_ratio", "Measured / predicted step time (the "
             "step-cost model admission and the ITL target plan with).", labels=LABELS)
@@ -178,6 +182,7 @@ class _EngineCollector:
             warming.add_metric(lv, pool.warmup_remaining)
             ttft_target.add_metric(lv, pool.config.scheduler.ttft_target_s)
             itl_target.add_metric(lv, pool.config.scheduler.itl_target_s)
+            ttft_factor.add_metric(lv, max((s.ttft_factor for s in stats), default=1.0))
             _histogram(prediction, lv, PREDICTION_BUCKETS, [s.step_prediction for s in stats])
             _histogram(host, lv, HOST_BUCKETS, [s.step_host for s in stats])
             compute.add_metric(lv, sum(s.compute_s for s in stats))
@@ -197,7 +202,7 @@ class _EngineCollector:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
-                    itl_target, prediction, host, compute, idle, lora_info, lora_requests,
+                    itl_target, ttft_factor, prediction, host, compute, idle, lora_info, lora_requests,
                     lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 

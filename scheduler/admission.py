@@ -44,6 +44,15 @@ _RATE_WINDOW_S = 60.0  # completions older than this do not count toward the rat
 # (the completed ones' running average replaces it).
 _PRIOR_OUTPUT_TOKENS = 256.0
 _MAX_RETRY_S = 60.0
+# The door's calibration of its own TTFT predictions (`ttft_factor`): the recent admitted
+# requests' measured / predicted TTFT, at this quantile, once there are enough of them;
+# predictions under this share of the target are not counted (a fixed cost, HTTP and
+# delivery, would make their ratios large and say nothing about a TTFT near the target).
+_TTFT_SAMPLES = 64
+_TTFT_MIN_SAMPLES = 16
+_TTFT_QUANTILE = 0.9
+_TTFT_MIN_SHARE = 0.25
+_TTFT_MAX_FACTOR = 1.5
 
 
 class SchedulerQueries(Protocol):
@@ -107,6 +116,7 @@ class Admission:
         self.output_tokens = _PRIOR_OUTPUT_TOKENS  # running average of completed answers
         self._last_promise = -float("inf")  # the latest time a refused client was told
         self._answer_hint: int | None = None  # see `service_rate`
+        self._ttft_ratios: deque[float] = deque(maxlen=_TTFT_SAMPLES)  # see `ttft_factor`
 
     # -- what the engine reports -------------------------------------------------------
     def completed(self, at: float, output_tokens: int | None = None) -> None:
@@ -115,6 +125,27 @@ class Admission:
         self.finish_times.append(at)
         if output_tokens:
             self.output_tokens += 0.1 * (output_tokens - self.output_tokens)
+
+    def first_token(self, measured_s: float, predicted_s: float | None) -> None:
+        """An admitted interactive request's first token came `measured_s` after it was
+        submitted; the door had predicted `predicted_s` (None: no prediction)."""
+        target = self.config.ttft_target_s
+        if predicted_s is None or target <= 0 or predicted_s < _TTFT_MIN_SHARE * target:
+            return
+        self._ttft_ratios.append(measured_s / predicted_s)
+
+    def ttft_factor(self) -> float:
+        """How much later than predicted first tokens come: the recent measured /
+        predicted TTFT at its 90th percentile, within [1, 1.5]; 1 until 16 are known.
+        The door judges a newcomer's TTFT at its prediction times this, so that the
+        admitted meet the target at the p95, not the p50 (a step-time prediction right
+        at the median is late one step in ten, and a TTFT spans several steps)."""
+        ratios = self._ttft_ratios
+        if len(ratios) < _TTFT_MIN_SAMPLES:
+            return 1.0
+        ranked = sorted(ratios)
+        q = ranked[min(len(ranked) - 1, int(_TTFT_QUANTILE * len(ranked)))]
+        return min(_TTFT_MAX_FACTOR, max(1.0, q))
 
     def count(self, reason: str) -> None:
         """Count a refusal: at the door, a request too long to ever fit, or a shed one."""
@@ -127,13 +158,15 @@ class Admission:
 
     # -- the door ----------------------------------------------------------------------
     def check(self, req: GenerateRequest, *, step_ends_at: float | None = None,
-              uncached: int | None = None, prefix_wait: int = 0) -> None:
+              uncached: int | None = None, prefix_wait: int = 0) -> float | None:
         """Raise ValueError for a request this replica can never serve, `Overloaded` for
-        one it should not queue now; return to let it in. `step_ends_at`: when the step
-        in flight is expected to end (None: no step in flight); `uncached`: the prompt
-        tokens it would compute (None: judged from the cache's hit rate so far);
-        `prefix_wait`: prompt tokens a running prefill must compute before the prefix
-        this request shares with it is cached (it waits for them)."""
+        one it should not queue now; return to let it in, with its predicted time to
+        first token (None: none, or a batch job; the engine reports the measured one to
+        `first_token`). `step_ends_at`: when the step in flight is expected to end (None:
+        no step in flight); `uncached`: the prompt tokens it would compute (None: judged
+        from the cache's hit rate so far); `prefix_wait`: prompt tokens a running prefill
+        must compute before the prefix this request shares with it is cached (it waits
+        for them)."""
         self.validate(req)
         sched, cfg = self.scheduler, self.config
         prompt_tokens = len(req.prompt_ids)
@@ -145,15 +178,16 @@ class Admission:
             raise self.refuse("queue_full", self.ticket(self.retry_after()))
         if tokens + prompt_tokens > cfg.max_waiting_tokens:
             raise self.refuse("queue_tokens", self.ticket(self.retry_after()))
-        if not req.batch:
-            # Before any completion, an answer is expected to cost no more than this one's
-            # max_tokens (a burst of similar requests), nor more than the prior.
-            self._answer_hint = req.max_tokens
-            try:
-                self.check_ttft(prompt_tokens, step_ends_at=step_ends_at, uncached=uncached,
-                                prefix_wait=prefix_wait)
-            finally:
-                self._answer_hint = None
+        if req.batch:
+            return None
+        # Before any completion, an answer is expected to cost no more than this one's
+        # max_tokens (a burst of similar requests), nor more than the prior.
+        self._answer_hint = req.max_tokens
+        try:
+            return self.check_ttft(prompt_tokens, step_ends_at=step_ends_at,
+                                   uncached=uncached, prefix_wait=prefix_wait)
+        finally:
+            self._answer_hint = None
 
     def precheck(self, *, step_ends_at: float | None = None, pending: int = 0,
                  max_tokens: int | None = None) -> None:
@@ -198,7 +232,7 @@ class Admission:
 
     def check_ttft(self, prompt_tokens: int, *, step_ends_at: float | None = None,
                    pending: int = 0, uncached: int | None = None,
-                   prefix_wait: int = 0) -> None:
+                   prefix_wait: int = 0) -> float | None:
         """Refuse a request whose first token would likely come later than
         `ttft_target_s`: the expected wait for the work ahead of it, plus its own step
         (its prompt's tokens not expected to hit the cache, at the measured cost of a prefill
@@ -212,13 +246,16 @@ class Admission:
         (which would compute the whole prompt): nowhere would it be served sooner. So
         the followers of a new system prompt queue behind it rather than being refused
         until it is cached (a client that does not retry, GuideLLM's, would count each
-        refusal an error; a polite one would come back to the same wait)."""
+        refusal an error; a polite one would come back to the same wait).
+
+        The prediction is judged times `ttft_factor` (how late first tokens have come
+        against their predictions), and returned: None when there is none yet."""
         target = self.config.ttft_target_s
         if target <= 0:
-            return  # admission by predicted TTFT is off
+            return None  # admission by predicted TTFT is off
         wait = self.expected_wait(step_ends_at=step_ends_at, pending=pending)
-        if wait is None or wait <= 0.0:
-            return
+        if wait is None:
+            return None
         sched = self.scheduler
         # Without its own count, the prompt is discounted by the cache's hit rate so far.
         tokens = (prompt_tokens * (1.0 - sched.prefix_hit_rate) if uncached is None
@@ -226,14 +263,16 @@ class Admission:
         prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
         step = sched.step_estimate(sched.num_running - sched.batch_running, 0)
         own = prefill + step
+        if wait <= 0.0:
+            return own  # nothing ahead: admitted (nowhere would it start sooner)
         ttft = wait + own if own <= target else wait
         if prefix_wait and sched.prefill_token_s:
             # It cannot start before the prefix it shares with a running prefill is in.
             ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
             alone = sched.prefill_seconds(prompt_tokens) + step
             if ttft <= alone:
-                return
-        if ttft > self._limit(target, pending):
+                return ttft
+        if ttft * self.ttft_factor() > self._limit(target, pending):
             retry = self.ticket(self._drain_time(ttft - target, pending))
             # "itl_target": the wait is for a running slot while the ITL target holds the
             # running set below `max_running`.
@@ -244,6 +283,7 @@ class Admission:
                               f"(queue wait {wait:.1f}s"
                               + (f"; {cap} streams at once keep the ITL target" if itl else "")
                               + f"); retry in {retry:.1f}s")
+        return ttft
 
     def _limit(self, target: float, pending: int) -> float:
         """The TTFT a refusal needs: the target while requests wait for a running slot

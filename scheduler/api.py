@@ -129,6 +129,8 @@ class EngineStats:
     running_capacity: int = 0  # sequences that may run at once now (fewer under an ITL target)
     compute_s: float = 0.0  # seconds the steps computed (busy_s less host work)
     idle_s: float = 0.0  # seconds the computation stood idle between steps (host work it waited for)
+    # How late first tokens came against the door's predictions (`Admission.ttft_factor`).
+    ttft_factor: float = 1.0
     # What `PageAllocator.audit` found wrong in the KV books against the live page
     # tables, when the read asked for it (`Engine.stats(audit=True)`; empty: consistent).
     kv_audit: list[str] = field(default_factory=list)

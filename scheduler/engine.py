@@ -187,9 +187,10 @@ class Engine:
         # Built first (no id yet) so the door can look its prompt up in the prefix cache.
         seq = Sequence(req, request_id=request_id, seq_id=-1, arrived_at=now,
                        deadline_at=now + deadline, arrival_order=self._arrivals + 1)
-        self.admission.check(req, step_ends_at=self._step_ends_at,
-                             uncached=self.scheduler.expected_uncached(seq),
-                             prefix_wait=self.scheduler.prefix_wait_tokens(seq))
+        seq.predicted_ttft = self.admission.check(
+            req, step_ends_at=self._step_ends_at,
+            uncached=self.scheduler.expected_uncached(seq),
+            prefix_wait=self.scheduler.prefix_wait_tokens(seq))
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._arrivals += 1
@@ -240,6 +241,7 @@ class Engine:
         now = self.clock()
         return EngineStats(**self.scheduler.usage(now, audit=audit), **self._log.totals(),
                            rejections=dict(self.admission.rejections),
+                           ttft_factor=self.admission.ttft_factor(),
                            uptime_s=max(0.0, now - self._started_at), alive=self._alive)
 
     # -- the loop ------------------------------------------------------------------------
@@ -408,6 +410,8 @@ class Engine:
         out = seq.output
         if seq.first_token_at is None:
             seq.first_token_at = now
+            if seq.num_preemptions == 0:  # (a recompute's delay is no admission's error)
+                self.admission.first_token(now - seq.arrived_at, seq.predicted_ttft)
             if seq.prompt_logprobs is not None:
                 out.prompt_logprobs = tuple(seq.prompt_scores)
         grammar = seq.constraint

@@ -48,7 +48,7 @@ class Sequence:
         "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
-        "finished_at", "finish_reason", "num_preemptions", "aborted", "output", "inflight",
+        "predicted_ttft", "finished_at", "finish_reason", "num_preemptions", "aborted", "output", "inflight",
     )
 
     def __init__(
@@ -97,6 +97,7 @@ class Sequence:
         self.deadline_at = deadline_at  # shed if still waiting, never started, after this
         self.admitted_at: float | None = None  # first admission (queue_s)
         self.first_token_at: float | None = None
+        self.predicted_ttft: float | None = None  # the door's, when it was submitted
         self.finished_at: float | None = None
         self.finish_reason: str | None = None
         self.num_preemptions = 0

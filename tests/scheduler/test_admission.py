@@ -280,3 +280,41 @@ def test_slack_while_running_slots_are_free_the_target_itself_when_they_are_not(
     with pytest.raises(Overloaded) as e:  # 1.28 s for two completions + 0.21 s: 1.49 s,
         adm.check_ttft(20)  # within the slack but past the target itself
     assert "exceeds 1s" in str(e.value)
+
+
+def test_the_door_calibrates_its_ttft_predictions_from_the_first_tokens_that_came():
+    # 0.3 s ahead (30 tokens at 10 ms) + 0.6 s of its own = 0.9 s < 1 s: admitted, while
+    # the door has not seen enough first tokens to judge its own predictions.
+    adm, _, _ = door(ttft_target_s=1.0, waiting_tokens=30, prefill_token_s=0.01)
+    assert adm.check_ttft(60) == pytest.approx(0.9)
+    assert adm.ttft_factor() == 1.0
+    for _ in range(15):
+        adm.first_token(1.2, 0.8)  # first tokens came 1.5x later than predicted
+    adm.first_token(5.0, 0.1)  # too small a prediction to count (< 25% of the target)
+    adm.first_token(1.0, None)  # nothing predicted
+    assert adm.ttft_factor() == 1.0  # 15 counted: not enough yet
+    adm.first_token(0.8, 0.8)
+    assert adm.ttft_factor() == pytest.approx(1.5)  # the 90th percentile of 16
+    with pytest.raises(Overloaded) as e:  # 0.9 s judged as 1.35 s
+        adm.check_ttft(60)
+    assert e.value.reason == "ttft_target"
+    assert adm.check_ttft(30) == pytest.approx(0.6)  # 0.6 s judged as 0.9 s: admitted
+    # The percentile, not the worst: a few late ones among on-time ones do not move it.
+    for _ in range(60):
+        adm.first_token(0.8, 0.8)
+    for _ in range(4):
+        adm.first_token(3.2, 0.8)
+    assert adm.ttft_factor() == pytest.approx(1.0)
+    adm.check_ttft(60)
+    # Clamped: predictions twice too optimistic are judged 1.5x, not more.
+    for _ in range(64):
+        adm.first_token(1.6, 0.8)
+    assert adm.ttft_factor() == pytest.approx(1.5)
+
+
+def test_nothing_ahead_is_admitted_whatever_the_factor_and_its_prediction_returned():
+    adm, _, _ = door(ttft_target_s=1.0, prefill_token_s=0.01)
+    for _ in range(16):
+        adm.first_token(1.5, 1.0)
+    assert adm.check_ttft(90) == pytest.approx(0.9)  # 0.9 s x 1.5, but nowhere is sooner
+    assert adm.rejections == {}

@@ -455,6 +455,28 @@ async def test_warm_up_times_make_the_first_burst_predictable():
         eng.precheck()  # none given: an answer of the prior's length (256 tokens)
 
 
+async def test_each_first_token_is_reported_beside_its_predicted_ttft(nursery):
+    """The door learns how late first tokens come against its predictions (the
+    calibration itself is in test_admission.py): each admitted interactive request's
+    measured TTFT reaches `Admission.first_token` with what the door predicted."""
+    eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
+                 SchedulerConfig(ttft_target_s=1.0))
+    eng.scheduler.cost.prefill_token_s = 0.01
+    seen = []
+    eng.admission.first_token = lambda measured, predicted: seen.append((measured, predicted))
+    handles = [eng.submit(GenerateRequest(prompt_ids=prompt(50, i), max_tokens=3))
+               for i in range(2)]
+    handles.append(eng.submit(GenerateRequest(prompt_ids=prompt(50, 9), max_tokens=3,
+                                              batch=True)))  # a batch job: no prediction
+    await nursery.start(eng.run)
+    await collect_all(handles)
+    assert len(seen) == 3
+    predicted = sorted(p for _, p in seen if p is not None)
+    # Alone: its own 0.5 s of prefill; the second: 0.5 s more ahead of it.
+    assert predicted == pytest.approx([0.5, 1.0], abs=0.05)
+    assert all(m >= 0 for m, _ in seen) and eng.stats().ttft_factor == 1.0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 async def test_step_time_prediction_error_is_counted(overlap):
     """Each step's measured / predicted time lands in a histogram (/metrics reads it)."""
