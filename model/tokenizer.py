@@ -23,12 +23,15 @@ import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from .base import ModelLoadError
+
+if TYPE_CHECKING:
+    from .segment_cache import SegmentEncoder
 
 # End-of-turn / end-of-text markers of the Llama family; any the vocabulary declares as a
 # special token stops generation, alongside the declared eos.
@@ -333,8 +336,15 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The rendered template already carries bos where the model wants it.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        # The rendered template already carries bos where the model wants it. Its long
+        # pieces between special tokens (a system prompt) are tokenized once.
+        return self.segments.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    @cached_property
+    def segments(self) -> "SegmentEncoder":
+        from .segment_cache import SegmentEncoder
+
+        return SegmentEncoder(self._tok, self.encode)
 
 
 # ---- helpers -------------------------------------------------------------------------------
