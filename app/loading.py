@@ -47,6 +47,7 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     if loaded.tokenizer is None:
         raise ValueError(f"pool {cfg.name!r}: {cfg.model} has no tokenizer to serve text with")
     tokenizer, config = loaded.tokenizer, loaded.config
+    tokenizer.warm()  # the first request must not pay for the template's compile
     groups = device_groups(cfg)
     runners = [ModelRunner.for_pool(config, loaded.params, cfg,
                                     eos_token_ids=tokenizer.eos_token_ids, devices=group)
