@@ -2,9 +2,11 @@
 
 The line names the request (the id its client saw), tenant, model, outcome (each choice's
 finish reason; ``error:<kind>`` when the engine or a drain ended it; ``cancelled`` when the
-client went away first), prompt and completion tokens and latency from arrival to the
-end. No prompt or output text, unless the operator asks: "hash" adds a SHA-256 prefix of
-each (enough to match a complaint to a request without keeping what was said),
+client went away first), prompt and completion tokens, latency from arrival to the end,
+and the engine's time to first token beside what admission predicted for it (the door
+calibrates itself on the two: scheduler/admission.py). No prompt or output text, unless
+the operator asks: "hash" adds a SHA-256 prefix of each (enough to match a complaint to
+a request without keeping what was said),
 "truncate" their first 64 characters, JSON-quoted so a newline or control character in
 them cannot forge a line. For `n` choices the output fields list one value per choice,
 comma-separated.
@@ -47,6 +49,8 @@ class RequestLog:
         self.hashes: dict[int, hashlib._Hash] = {}  # "hash": choice -> its output so far
         self.heads: dict[int, str] = {}  # "truncate": choice -> its output's first chars
         self.emitted = False
+        # The first choice's time to first token in the engine, and admission's prediction.
+        self.ttft: tuple[float | None, float | None] = (None, None)
 
     def observe(self, events: list) -> None:
         """A batch of the request's engine events (as `Reader.batch` returns them)."""
@@ -60,6 +64,8 @@ class RequestLog:
                         self.heads[e.index] = (head + e.text)[:TRUNCATE_CHARS]
             elif isinstance(e, FinishEvent):
                 self.outcomes.setdefault(e.index, e.finish_reason)
+                if e.index == 0:
+                    self.ttft = (e.ttft_s, e.predicted_ttft_s)
             elif isinstance(e, ErrorEvent):
                 self.outcomes.setdefault(e.index, f"error:{e.kind}")
 
@@ -74,6 +80,11 @@ class RequestLog:
                 f"outcome={outcome} prompt_tokens={prompt_tokens} "
                 f"completion_tokens={completion_tokens} "
                 f"latency_s={trio.current_time() - self.arrival:.3f}")
+        ttft, predicted = self.ttft
+        if ttft is not None:
+            line += f" ttft_s={ttft:.3f}"
+        if predicted is not None:
+            line += f" predicted_ttft_s={predicted:.3f}"
         if self.mode == "hash":
             out = ",".join(self.hashes[i].hexdigest()[:HASH_HEX_CHARS]
                            for i in sorted(self.hashes))

@@ -288,10 +288,11 @@ class Admission:
     def _limit(self, target: float, pending: int) -> float:
         """The TTFT a refusal needs: the target while requests wait for a running slot
         or an ITL target holds prompts back (overload: refusing protects those
-        admitted); with slots free, `ttft_slack` times it. Then what is ahead is prompts that arrived together, all about to be
-        prefilled: a refused client that comes back finds the same work ahead (its first
-        token, counted from its first try, only comes later), and one that does not
-        retry (GuideLLM) fails. Only a real prefill backlog is worth refusing."""
+        admitted); with slots free, `ttft_slack` times it. Then what is ahead is prompts
+        that arrived together, all about to be prefilled: a refused client that comes
+        back finds the same work ahead (its first token, counted from its first try, only
+        comes later), and one that does not retry (GuideLLM) fails. Only a real prefill
+        backlog is worth refusing."""
         if self._slots_ahead() + pending > 0 or self.scheduler.prefill_backlog > 0:
             return target  # (a backlog: an ITL target leaves prompts little room a step)
         return target * max(1.0, self.config.ttft_slack)

@@ -61,6 +61,7 @@ class FinishEvent:
     queue_s: float | None
     e2e_s: float
     index: int = 0
+    predicted_ttft_s: float | None = None  # the door's prediction, when it made one
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,6 +205,7 @@ class Sequence:
             queue_s=None if self.admitted_at is None else self.admitted_at - arrived,
             e2e_s=self.finished_at - arrived,
             index=self.index,
+            predicted_ttft_s=self.predicted_ttft,
         )
 
     def __repr__(self) -> str:

@@ -24,7 +24,9 @@ their own warm-up figures (the warm-up ran each on a dummy context: a shape the 
 never chooses because its seed looks too slow would otherwise never be corrected); one
 never measured is estimated from the coarse model below at its padded size (decode-only
 time by number of rows, plus a marginal cost per prefill token, seeded by the warm-up
-too). The first real step of a shape replaces its seed.
+too). The first real step of a shape replaces its seed. A shape not measured for a while
+(`_STALE_STEPS` steps of others) is predicted at its figure times how the shapes measured
+since have moved (`_drift`): the machine got slower or faster for all of them.
 
 Under an ITL target a shape not yet run is predicted at the smaller of its scaled seed and
 what the steps measured so far say (`_measured_guess`): the warm-up's dummy context (every
@@ -39,11 +41,17 @@ Pure Python, no clocks of its own: the engine reports each step's duration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 _ALPHA = 0.2  # weight of the newest measurement in the running averages
 _RIDGE = 0.02  # within-shape spread of work (as a fraction of its mean) that counts as none
 _NOISE_FLOOR = 0.01  # step times within a shape are taken to spread at least this much
+# A shape's figure counts as stale after this many steps of other shapes since its last
+# measurement; it then moves with how the shapes measured since have moved (`_drift`),
+# within these bounds.
+_STALE_STEPS = 16
+_DRIFT_BOUNDS = (0.5, 2.0)
 
 
 def chunk_work(start: int, n: int) -> int:
@@ -64,10 +72,16 @@ class _ShapeFit:
     var_work: float = 0.0
     cov: float = 0.0
     var_s: float = 0.0
+    # When it was last measured (the model's step count) and the other measured shapes'
+    # figures then: how far they have moved since says how far a stale one would have.
+    stamp: int = 0
+    others: dict = field(default_factory=dict)
+    first: tuple[float, float] = (0.0, 0.0)  # (seconds, work) of its first real step
+    drift: tuple[int, float] = (-1, 1.0)  # (step count, factor): `_drift`'s cache
 
     def add(self, work: float, seconds: float) -> None:
         if self.n == 0:
-            self.work, self.seconds, self.seeded = work, seconds, False
+            self.work, self.seconds, self.seeded, self.first = work, seconds, False, (seconds, work)
         else:
             dx, dy = work - self.work, seconds - self.seconds
             self.work += _ALPHA * dx
@@ -107,6 +121,7 @@ class StepCostModel:
         # dummy context (every row its own 2,048 keys), so a shape that has not run yet
         # is predicted at its seed times what the others turned out to be.
         self._seed_ratio: float | None = None
+        self._steps = 0  # real steps observed in a known shape (the fits' clock)
 
     # -- the coarse model: decode time by rows, one prefill token's marginal cost --------
     def decode_time(self, num_decode: int) -> float | None:
@@ -136,6 +151,10 @@ class StepCostModel:
                 old = self._seed_ratio
                 self._seed_ratio = ratio if old is None else old + _ALPHA * (ratio - old)
             fit.add(work, seconds)
+            self._steps += 1
+            fit.stamp = self._steps
+            fit.others = {k: (f.seconds, f.work) for k, f in self._fits.items()
+                          if f.n and f is not fit}
         if prefill_tokens == 0:
             if num_decode:
                 old = self._decode_s.get(num_decode)
@@ -220,10 +239,37 @@ class StepCostModel:
                 seeded = fit.seconds * (self._seed_ratio or 1.0)
                 guess = self._measured_guess(*shape) if self.itl_target_s > 0 else None
                 return seeded if guess is None else min(seeded, guess)
-            if work is None:
-                return fit.seconds
-            return max(0.0, fit.seconds + self.slope * (work - fit.work))
+            own = fit.seconds if work is None else fit.seconds + self.slope * (work - fit.work)
+            return max(0.0, own * self._drift(fit))
         return self.estimate(shape[0], shape[1])
+
+    def _drift(self, fit: _ShapeFit) -> float:
+        """How much a shape's figure has likely moved since it was last measured, when
+        that is `_STALE_STEPS` steps or more ago: the geometric mean of how the shapes
+        measured since have moved (1 when none has). A figure measured once in a slow
+        moment (the first steps under a burst of arrivals, a noisy neighbour) would
+        otherwise stand for good under an ITL target, whose plan then never chooses that
+        shape again to correct it: measured, a 0.15 s target held 4 streams for a whole
+        run where 16 fitted."""
+        if self._steps - fit.stamp < _STALE_STEPS:
+            return 1.0
+        at, factor = fit.drift
+        if at == self._steps:
+            return factor
+        logs, slope = [], self.slope
+        for k, f in self._fits.items():
+            if f is fit or f.stamp <= fit.stamp:
+                continue  # not measured since
+            # Its figure then, and now at the same context (longer contexts are not the
+            # machine's speed); first measured after `fit`: from its first step.
+            then, work = fit.others.get(k, f.first)
+            now = f.seconds + slope * (work - f.work)
+            if then > 0 and now > 0:
+                logs.append(math.log(now / then))
+        lo, hi = _DRIFT_BOUNDS
+        factor = min(hi, max(lo, math.exp(sum(logs) / len(logs)))) if logs else 1.0
+        fit.drift = (self._steps, factor)
+        return factor
 
     def _measured_guess(self, num_decode: int, prefill_padded: int) -> float | None:
         """A step of this size by the coarse model from real steps only (None until a

@@ -626,7 +626,7 @@ async def test_request_log_has_no_text_by_default(caplog):
     chat, comp = await _logged(caplog, "metadata")
     assert chat.startswith("request id=chatcmpl-") and comp.startswith("request id=cmpl-")
     for part in ("tenant=anonymous", f"model={MODEL}", "outcome=length", "prompt_tokens=",
-                 "completion_tokens=3", "latency_s="):
+                 "completion_tokens=3", "latency_s=", "ttft_s="):
         assert part in chat, chat
     assert "completion_tokens=4" in comp and "outcome=length" in comp, comp
     everything = "\n".join(r.getMessage() for r in caplog.records)

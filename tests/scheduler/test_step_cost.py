@@ -100,3 +100,35 @@ def test_warm_up_figures_stand_in_until_a_real_step_replaces_them():
     assert m.prefill_token_s == pytest.approx(0.003)
     m.seed(0, 64, 64 * 0.0001)
     assert m.prefill_token_s == pytest.approx(0.003)
+
+
+def test_a_stale_figure_moves_with_the_shapes_measured_since():
+    # (16, 16) and (4, 16) both ran in a slow moment; then only (4, 16) runs, twice as
+    # fast. The stale (16, 16) follows it instead of standing at its slow figure for good
+    # (under an ITL target the plan would never choose it again to correct it).
+    m = model(itl_target_s=0.15, shapes=((4, 16), (16, 16)), block_q=16)
+    m.observe(16, 16, 0.20, shape=(16, 16), work=1000)
+    m.observe(4, 16, 0.16, shape=(4, 16), work=1000)
+    assert m.predict(16, 16) == pytest.approx(0.20)  # not stale yet
+    for _ in range(40):
+        m.observe(4, 16, 0.08, shape=(4, 16), work=1000)
+    assert m.predict(4, 16) == pytest.approx(0.08, rel=0.01)
+    assert m.predict(16, 16) == pytest.approx(0.10, rel=0.02)  # 0.20 x 0.08 / 0.16
+    assert m.fits(16, 16)
+    # Measured again, its own figure rules.
+    m.observe(16, 16, 0.14, shape=(16, 16), work=1000)
+    assert m.predict(16, 16) == pytest.approx(0.20 + 0.2 * (0.14 - 0.20))
+
+
+def test_shapes_in_use_keep_their_own_figures_and_the_drift_is_bounded():
+    m = model(shapes=((4, 0), (16, 0)))
+    for i in range(50):  # alternating: neither is ever stale
+        m.observe(4, 0, 0.05, shape=(4, 0))
+        m.observe(16, 0, 0.10 if i < 25 else 0.12, shape=(16, 0))
+    assert m.predict(4, 0) == pytest.approx(0.05)
+    m2 = model(shapes=((4, 0), (16, 0)))
+    m2.observe(16, 0, 0.10, shape=(16, 0))
+    m2.observe(4, 0, 0.05, shape=(4, 0))
+    for _ in range(60):
+        m2.observe(4, 0, 0.5, shape=(4, 0))  # 10x slower: the stale one follows, 2x at most
+    assert m2.predict(16, 0) == pytest.approx(0.20)
