@@ -21,7 +21,7 @@ serve: $(STAMP)
 ## The whole suite (CI runs this on a 2-core machine), the console's browser tests included
 test: $(STAMP) chromium
 	$(VENV)/bin/sluice fetch
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 ## Headless Chromium for the console's browser tests: Debian's package, installed as root
 ## when missing (elsewhere those tests skip; under CI they fail)

@@ -265,7 +265,10 @@ class Admission:
         own = prefill + step
         if wait <= 0.0:
             return own  # nothing ahead: admitted (nowhere would it start sooner)
-        ttft = wait + own if own <= target else wait
+        # Too long to meet the target even on an idle replica (at the full prefill speed,
+        # not the chunks an ITL target leaves it): judged on the wait alone.
+        idle = tokens * (sched.prefill_token_s or 0.0) + step
+        ttft = wait + own if idle <= target else wait
         if prefix_wait and sched.prefill_token_s:
             # It cannot start before the prefix it shares with a running prefill is in.
             ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
@@ -287,14 +290,16 @@ class Admission:
 
     def _limit(self, target: float, pending: int) -> float:
         """The TTFT a refusal needs: the target while requests wait for a running slot
-        or an ITL target holds prompts back (overload: refusing protects those
-        admitted); with slots free, `ttft_slack` times it. Then what is ahead is prompts
+        (overload: refusing protects those admitted) and under an ITL target; with slots
+        free, `ttft_slack` times it. Then what is ahead is prompts
         that arrived together, all about to be prefilled: a refused client that comes
         back finds the same work ahead (its first token, counted from its first try, only
         comes later), and one that does not retry (GuideLLM) fails. Only a real prefill
         backlog is worth refusing."""
-        if self._slots_ahead() + pending > 0 or self.scheduler.prefill_backlog > 0:
-            return target  # (a backlog: an ITL target leaves prompts little room a step)
+        if self._slots_ahead() + pending > 0 or self.config.itl_target_s > 0:
+            # (Under an ITL target a prompt's prefill gets only the room a step leaves
+            # beside the decodes, whatever arrived with it: the slack's case does not arise.)
+            return target
         return target * max(1.0, self.config.ttft_slack)
 
     # -- the estimates -----------------------------------------------------------------

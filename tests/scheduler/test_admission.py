@@ -42,8 +42,10 @@ class FakeQueries:
     def waiting_uncached_tokens(self) -> float:  # as the hit rate so far would have it
         return (self.waiting_tokens - self.batch_waiting_tokens) * (1.0 - self.prefix_hit_rate)
 
+    chunked: float = 1.0  # an ITL target's chunks: prefill this many times slower
+
     def prefill_seconds(self, tokens: float) -> float:
-        return tokens * (self.prefill_token_s or 0.0)
+        return tokens * (self.prefill_token_s or 0.0) * self.chunked
 
     def step_estimate(self, num_decode: int, prefill_tokens: int) -> float:
         decode = self.decode_step_s if num_decode else 0.0
@@ -318,3 +320,21 @@ def test_nothing_ahead_is_admitted_whatever_the_factor_and_its_prediction_return
         adm.first_token(1.5, 1.0)
     assert adm.check_ttft(90) == pytest.approx(0.9)  # 0.9 s x 1.5, but nowhere is sooner
     assert adm.rejections == {}
+
+
+def test_under_an_itl_target_the_target_itself_refuses_and_idle_speed_says_too_long():
+    # 30 tokens of prompts ahead, slots free; an ITL target's chunks prefill at half the
+    # full speed: 0.6 s ahead. A 60-token question takes 0.6 s at full speed, 1.2 s in
+    # chunks: 1.8 s in all. With no ITL target the slack (3x) would let it in; under one,
+    # the target refuses it.
+    sched, clock = FakeQueries(waiting_tokens=30, prefill_token_s=0.01, chunked=2.0), FakeClock()
+    cfg = SchedulerConfig(ttft_target_s=1.0, ttft_slack=3.0, itl_target_s=0.15)
+    adm = Admission(sched, cfg, clock, max_context=4096)
+    with pytest.raises(Overloaded):
+        adm.check_ttft(60)
+    # A prompt too long to meet 1 s even at full speed (150 tokens: 1.5 s) is judged on
+    # the wait alone, as without a target: the chunks do not make it "too long".
+    assert adm.check_ttft(150) == pytest.approx(0.6)
+    slack = Admission(sched, SchedulerConfig(ttft_target_s=1.0, ttft_slack=3.0), clock,
+                      max_context=4096)
+    assert slack.check_ttft(60) == pytest.approx(1.8)
