@@ -320,11 +320,22 @@ class ModelRunner:
                  eos_token_ids: Iterable[int] = (),
                  devices: Sequence[Any] | None = None) -> "ModelRunner":
         """A runner shaped by a pool's settings (`config.settings.PoolConfig`), on
-        `devices` (None: JAX's default device)."""
+        `devices` (None: JAX's default device).
+
+        Under an ITL target every decode bucket from the smallest mixed one up is also
+        compiled beside the prompt chunks: the running set's size then follows from the
+        step times, and a step of d decodes runs in the smallest shape that holds d, so
+        with mixed shapes at 4 and 16 only, 5-16 streams cost what 16 do and a target
+        that 16 just miss holds 4 (measured: docs/benchmarks.md, "The ITL target's
+        granularity")."""
+        mixed = list(pool.mixed_decode_buckets)
+        if pool.scheduler.itl_target_s > 0 and [m for m in mixed if m]:
+            least = min(m for m in mixed if m)
+            mixed = sorted(set(mixed) | {d for d in pool.decode_buckets if d >= least})
         return cls(config, params, eos_token_ids=eos_token_ids, page_size=pool.page_size,
                    kv_cache_bytes=pool.kv_cache_bytes, max_context=pool.max_context,
                    decode_buckets=pool.decode_buckets, prefill_buckets=pool.prefill_buckets,
-                   mixed_decode_buckets=pool.mixed_decode_buckets,
+                   mixed_decode_buckets=mixed,
                    max_prefill_seqs=pool.max_prefill_seqs, dtype=pool.dtype,
                    attention=None if pool.attention == "auto" else pool.attention,
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
