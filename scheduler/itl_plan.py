@@ -6,7 +6,9 @@ it. A mixin of `Scheduler`, kept apart so the per-iteration policy reads in one 
   least urgent decoding sequences are preempted until the rest fit;
 - `_room`: how many prompt tokens of a sequence still fit beside what the step carries;
 - `_decode_slot`: whether one more sequence may join the running set (a step of all of
-  them at their expected contexts must keep room for a minimal prompt chunk);
+  them at their expected contexts must keep room for the reserved prompt chunk);
+- `reserved_chunk`: the room every step keeps for prompts, from the recent questions'
+  sizes and the TTFT target;
 - `running_capacity`, `prefill_seconds`, `prefill_backlog`: the door's view of the same.
 
 Predictions are `step_cost.StepCostModel`'s; docs/operations.md, "The ITL target".
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 PRIOR_ANSWER_TOKENS = 256.0
 # The share of the ITL target the door keeps in hand when it counts running slots.
 _CAPACITY_MARGIN = 0.1
+# Recent questions (`note_question`) before their sizes set the room a step keeps.
+_MIN_QUESTIONS = 8
 
 
 class ItlPlanning:
@@ -48,7 +52,7 @@ class ItlPlanning:
     def running_capacity(self) -> int:
         """Sequences that may run at once now, as admission promises them: `max_running`,
         or under an ITL target as many as leave a step within it, less a margin
-        (`_CAPACITY_MARGIN`), with room for a minimal prompt chunk beside their decodes,
+        (`_CAPACITY_MARGIN`), with room for the reserved prompt chunk beside their decodes,
         at the contexts the running ones are expected to reach; at least 1. The margin:
         a step time that hovers at the target must not make the door promise a slot that
         the next step's plan (`_decode_slot`, at the target itself) then withholds."""
@@ -57,7 +61,7 @@ class ItlPlanning:
         running = list(self.running.values())
         ctx = (sum(map(self.expected_context, running)) / len(running) if running
                else self.answer_tokens)
-        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        chunk = self.reserved_chunk()
         limit = self.itl_target * (1.0 - _CAPACITY_MARGIN)
         # Upwards, stopping at the first that does not fit: the running set grows one at
         # a time (`_decode_slot`), so a bigger shape that looks cheap (a warm-up figure not
@@ -95,6 +99,30 @@ class ItlPlanning:
             self._preempt(victim, batch)
             cut = True
         return [s for s in order if s.is_running] if cut else order
+
+    def note_question(self, seq: Sequence) -> None:
+        """An interactive prompt joined the queue: its uncached tokens count toward the
+        room `reserved_chunk` keeps, unless it is too long to meet the TTFT target even at
+        the full prefill speed (a document, judged on its wait: no room would do)."""
+        ttft, per_token = self.config.ttft_target_s, self.cost.prefill_token_s
+        if seq.batch or (ttft > 0 and per_token and seq.uncached_tokens * per_token > ttft):
+            return
+        self.question_sizes.append(seq.uncached_tokens)
+
+    def reserved_chunk(self) -> int:
+        """The prompt tokens every step keeps room for beside the decodes of a full running
+        set: at least `min_prefill_tokens`, and enough for the 90th percentile of recent
+        questions to be prefilled within the TTFT target (less a margin and the step in
+        flight), one chunk a step at the ITL target's pace. A running set sized for a
+        16-token chunk left a 100-token question 7 steps: its TTFT missed 1 s at a 0.15 s
+        target (docs/benchmarks.md, "The ITL target's granularity")."""
+        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        ttft, sizes = self.config.ttft_target_s, self.question_sizes
+        if ttft <= 0 or len(sizes) < _MIN_QUESTIONS:
+            return chunk
+        steps = max(1, int(ttft * (1.0 - _CAPACITY_MARGIN) / self.itl_target) - 1)
+        q90 = sorted(sizes)[int(0.9 * (len(sizes) - 1))]
+        return max(chunk, self.cost.padded(math.ceil(q90 / steps)))
 
     def _room(self, batch: Batch, seq: Sequence, most: int) -> int:
         """The most prompt tokens of `seq` (up to `most`) that this step can take and
@@ -137,12 +165,12 @@ class ItlPlanning:
     def _decode_slot(self, seq: Sequence) -> bool:
         """Under an ITL target, whether `seq` may join the running set: the decode step
         of every running sequence and it, at the contexts they are expected to reach,
-        must still leave room for a minimal prompt chunk within the target (else the
+        must still leave room for the reserved prompt chunk within the target (else the
         next newcomer could never be prefilled). With nothing running, always."""
         if not self.itl_target or not self.running:
             return True
         work = sum(map(self.expected_context, self.running.values()))
         work += self.expected_context(seq)
-        chunk = self.cost.padded(self.config.min_prefill_tokens)
+        chunk = self.reserved_chunk()
         return self.cost.fits(len(self.running) + 1, chunk,
                               work + chunk_work(seq.num_prompt_tokens, chunk))

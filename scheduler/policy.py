@@ -43,6 +43,7 @@ the ITL planning live in background.py, adapters.py, step_cost.py and itl_plan.p
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -120,6 +121,7 @@ class Scheduler(ItlPlanning):
         # `_decode_slot`): the running set follows from the target and the contexts.
         self.itl_target = self.cost.itl_target_s
         self.answer_tokens = PRIOR_ANSWER_TOKENS  # running average of finished answers
+        self.question_sizes: deque[int] = deque(maxlen=64)  # `ItlPlanning.note_question`
         # Prompt page keys of the live sequences, counted: a request queued behind another
         # with the same system prompt will find it cached (`expected_uncached`).
         self._promised: dict[int, int] = {}
@@ -129,6 +131,8 @@ class Scheduler(ItlPlanning):
     def add(self, seq: Sequence) -> None:
         seq.phase = Phase.QUEUED
         seq.uncached_tokens = self.expected_uncached(seq)
+        if self.itl_target:
+            self.note_question(seq)
         if self.config.prefix_cache:
             promised = self._promised
             for i in range(seq.num_prompt_tokens // self.pages.page_size):
