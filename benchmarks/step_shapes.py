@@ -2,11 +2,12 @@
 contexts: d decode rows (16 sequences sharing a 2,000-token system prompt, 70-470 tokens of
 their own) and p prompt tokens of a question after that system prompt, for every (d, p)
 of decode buckets 4, 8, 12, 16 and prefill buckets 16-96. Random weights of the embedded
-model's shapes (SmolLM2-135M, f32). The ITL target plans from exactly these figures: which
+model's shapes (SmolLM2-135M), quantized and with the KV pool the default preset would
+choose (`--quantization`, `--kv-cache-dtype`: "auto", as `sluice serve`). The ITL target plans from exactly these figures: which
 shapes fit a target decides how many streams can run beside a prompt chunk. Prints one
 JSON object: median milliseconds per step, keyed "d,p".
 
-    .venv/bin/python benchmarks/step_shapes.py [--reps 7]
+    .venv/bin/python benchmarks/step_shapes.py [--reps 7] [--quantization none]
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ SYSTEM, SEQS, PS = 2000, 16, 16
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args(argv)
     enable_compilation_cache()
     loaded = load_model("random:smollm2-135m", progress=False)
     r = ModelRunner(loaded.config, loaded.params, page_size=PS, kv_cache_bytes=1 << 30,
                     decode_buckets=DEC, prefill_buckets=PF, mixed_decode_buckets=DEC,
-                    dtype="float32")
+                    dtype="float32", quantization=args.quantization,
+                    kv_cache_dtype=args.kv_cache_dtype)
     r.warmup()
     rng = np.random.default_rng(1)
     own = rng.integers(70, 470, SEQS)

@@ -410,8 +410,10 @@ class Engine:
         out = seq.output
         if seq.first_token_at is None:
             seq.first_token_at = now
-            if seq.num_preemptions == 0:  # (a recompute's delay is no admission's error)
+            if seq.num_preemptions == 0 and not seq.batch:  # (a recompute: no one's error)
                 self.admission.first_token(now - seq.arrived_at, seq.predicted_ttft)
+                if self.scheduler.itl_target:
+                    self.scheduler.note_ttft(now - seq.arrived_at)
             if seq.prompt_logprobs is not None:
                 out.prompt_logprobs = tuple(seq.prompt_scores)
         grammar = seq.constraint

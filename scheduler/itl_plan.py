@@ -7,8 +7,8 @@ it. A mixin of `Scheduler`, kept apart so the per-iteration policy reads in one 
 - `_room`: how many prompt tokens of a sequence still fit beside what the step carries;
 - `_decode_slot`: whether one more sequence may join the running set (a step of all of
   them at their expected contexts must keep room for the reserved prompt chunk);
-- `reserved_chunk`: the room every step keeps for prompts, from the recent questions'
-  sizes and the TTFT target;
+- `reserved_chunk`: the room every step keeps for prompts, raised while first tokens come
+  later than the TTFT target allows (`note_ttft`), within what the recent questions need;
 - `running_capacity`, `prefill_seconds`, `prefill_backlog`: the door's view of the same.
 
 Predictions are `step_cost.StepCostModel`'s; docs/operations.md, "The ITL target".
@@ -32,6 +32,7 @@ PRIOR_ANSWER_TOKENS = 256.0
 _CAPACITY_MARGIN = 0.1
 # Recent questions (`note_question`) before their sizes set the room a step keeps.
 _MIN_QUESTIONS = 8
+_TTFT_EVERY = 8  # first tokens between two moves of the reserved room (`note_ttft`)
 
 
 class ItlPlanning:
@@ -111,18 +112,44 @@ class ItlPlanning:
 
     def reserved_chunk(self) -> int:
         """The prompt tokens every step keeps room for beside the decodes of a full running
-        set: at least `min_prefill_tokens`, and enough for the 90th percentile of recent
-        questions to be prefilled within the TTFT target (less a margin and the step in
-        flight), one chunk a step at the ITL target's pace. A running set sized for a
-        16-token chunk left a 100-token question 7 steps: its TTFT missed 1 s at a 0.15 s
-        target (docs/benchmarks.md, "The ITL target's granularity")."""
+        set: `min_prefill_tokens`, raised block by block while the first tokens come later
+        than the TTFT target allows (`note_ttft`), up to what the 90th percentile of recent
+        questions needs to be prefilled within the target (less a margin and the step in
+        flight), one chunk a step at the ITL target's pace. More room means fewer streams:
+        a running set sized for a 16-token chunk left a 100-token question 7 steps, and
+        its TTFT missed 1 s at a 0.15 s target; sized for 32 tokens on this CPU it held 4
+        streams (docs/benchmarks.md, "The ITL target's granularity")."""
         chunk = self.cost.padded(self.config.min_prefill_tokens)
+        return max(chunk, self.reserve_blocks * self.cost.block_q)
+
+    def _most_reserve(self) -> int:
+        """The most blocks `reserved_chunk` may keep: the 90th percentile question's
+        share of a step, at the TTFT target's pace (1 until 8 questions have come)."""
         ttft, sizes = self.config.ttft_target_s, self.question_sizes
         if ttft <= 0 or len(sizes) < _MIN_QUESTIONS:
-            return chunk
+            return 1
         steps = max(1, int(ttft * (1.0 - _CAPACITY_MARGIN) / self.itl_target) - 1)
         q90 = sorted(sizes)[int(0.9 * (len(sizes) - 1))]
-        return max(chunk, self.cost.padded(math.ceil(q90 / steps)))
+        return max(1, math.ceil(math.ceil(q90 / steps) / self.cost.block_q))
+
+    def note_ttft(self, seconds: float) -> None:
+        """An interactive request's first token came `seconds` after it arrived. Every 8,
+        the 90th percentile of the last 16 moves the room kept for prompts: a block more
+        while it is past the TTFT target (less the margin), a block less while it is
+        under 60% of it. The running set follows (`running_capacity`)."""
+        ttft = self.config.ttft_target_s
+        if ttft <= 0:
+            return
+        recent = self.recent_ttfts
+        recent.append(seconds)
+        self._ttft_notes += 1
+        if self._ttft_notes % _TTFT_EVERY or len(recent) < _TTFT_EVERY:
+            return
+        p90 = sorted(recent)[int(0.9 * (len(recent) - 1))]
+        if p90 > ttft * (1.0 - _CAPACITY_MARGIN):
+            self.reserve_blocks = min(self._most_reserve(), self.reserve_blocks + 1)
+        elif p90 < 0.6 * ttft:
+            self.reserve_blocks = max(1, self.reserve_blocks - 1)
 
     def _room(self, batch: Batch, seq: Sequence, most: int) -> int:
         """The most prompt tokens of `seq` (up to `most`) that this step can take and

@@ -122,6 +122,9 @@ class Scheduler(ItlPlanning):
         self.itl_target = self.cost.itl_target_s
         self.answer_tokens = PRIOR_ANSWER_TOKENS  # running average of finished answers
         self.question_sizes: deque[int] = deque(maxlen=64)  # `ItlPlanning.note_question`
+        self.recent_ttfts: deque[float] = deque(maxlen=16)  # `ItlPlanning.note_ttft`
+        self._ttft_notes = 0
+        self.reserve_blocks = 1  # `ItlPlanning.reserved_chunk`
         # Prompt page keys of the live sequences, counted: a request queued behind another
         # with the same system prompt will find it cached (`expected_uncached`).
         self._promised: dict[int, int] = {}

@@ -281,21 +281,36 @@ def test_a_jittery_shape_does_not_set_the_context_slope():
     assert max(abs(r - 1) for r in ratios) < 0.5, ratios
 
 
-def test_the_room_kept_for_prompts_follows_the_questions_and_the_ttft_target():
-    """Under an ITL target every step keeps room for the 90th percentile of recent
-    questions to be prefilled within the TTFT target: more room, fewer streams at once."""
+def test_the_room_kept_for_prompts_follows_the_first_tokens_and_the_questions():
+    """Under an ITL target every step keeps room for prompts beside the decodes: a block
+    more while the first tokens come later than the TTFT target allows, up to what the
+    90th percentile of recent questions needs to meet it; a block less once they come
+    early. More room, fewer streams at once."""
     d = Driver(itl=0.1, ttft_target_s=1.0)
     sched = d.sched
-    assert sched.reserved_chunk() == 16  # no questions seen yet: min_prefill_tokens
+    assert sched.reserved_chunk() == 16  # min_prefill_tokens
     small_room = sched.running_capacity
-    for i in range(7):
+    for _ in range(8):
+        sched.note_ttft(1.5)  # late, but no question seen yet: nothing to size the room by
+    assert sched.reserved_chunk() == 16
+    for i in range(8):
         d.sim.submit(prompt(i, 160), max_tokens=8)
-    assert sched.reserved_chunk() == 16  # 7 questions: not enough to go by
-    d.sim.submit(prompt(7, 160), max_tokens=8)
     d.sim.submit(prompt(8, 2000), max_tokens=8)  # a document (2.4 s alone): not counted
     # 0.9 s of the target at 0.1 s a step, less the step in flight: 8 steps for 160
-    # tokens, 20 a step, padded to whole 16-token blocks.
-    assert len(sched.question_sizes) == 8 and sched.reserved_chunk() == 32
+    # tokens, 20 a step: two 16-token blocks at most.
+    assert len(sched.question_sizes) == 8
+    for _ in range(8):
+        sched.note_ttft(1.2)
+    assert sched.reserved_chunk() == 32
     assert sched.running_capacity <= small_room
+    for _ in range(16):
+        sched.note_ttft(1.2)
+    assert sched.reserved_chunk() == 32  # no more than the questions need
+    for _ in range(8):
+        sched.note_ttft(0.3)
+    assert sched.reserved_chunk() == 32  # half the last 16 still late
+    for _ in range(8):
+        sched.note_ttft(0.3)
+    assert sched.reserved_chunk() == 16  # early: the room goes back to the streams
     d.run(400)
     assert all(seq.num_generated == seq.max_tokens for seq in d.sim.seqs.values())
