@@ -326,8 +326,8 @@ class ModelRunner:
         compiled beside the prompt chunks: the running set's size then follows from the
         step times, and a step of d decodes runs in the smallest shape that holds d, so
         with mixed shapes at 4 and 16 only, 5-16 streams cost what 16 do and a target
-        that 16 just miss holds 4 (measured: docs/benchmarks.md, "The ITL target's
-        granularity")."""
+        that 16 just miss holds 4 (measured: docs/benchmarks.md, "Issue 16: a door that
+        calibrates itself")."""
         mixed = list(pool.mixed_decode_buckets)
         if pool.scheduler.itl_target_s > 0 and [m for m in mixed if m]:
             least = min(m for m in mixed if m)
