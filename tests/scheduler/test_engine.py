@@ -1,5 +1,9 @@
 """The trio engine loop with the fake runner: streaming, joins and leaves, aborts,
-bounded queue, shedding, stops, preemption seen by a client, failures."""
+bounded queue, shedding, stops, preemption seen by a client, failures.
+
+(About 540 lines: one engine, one fake runner, and what a client sees of each rule; the
+arithmetic behind the door and the plan is tested on its own in test_admission.py and
+test_itl_target.py.)"""
 
 from __future__ import annotations
 
