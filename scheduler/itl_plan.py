@@ -119,18 +119,21 @@ class ItlPlanning:
         a running set sized for a 16-token chunk left a 100-token question 7 steps, and
         its TTFT missed 1 s at a 0.15 s target; sized for 32 tokens on this CPU it held 4
         streams (docs/benchmarks.md, "Issue 16: a door that calibrates itself")."""
-        chunk = self.cost.padded(self.config.min_prefill_tokens)
-        return max(chunk, self.reserve_blocks * self.cost.block_q)
+        least = self.cost.padded(self.config.min_prefill_tokens)
+        return least + self.reserve_extra * self.cost.block_q
 
-    def _most_reserve(self) -> int:
-        """The most blocks `reserved_chunk` may keep: the 90th percentile question's
-        share of a step, at the TTFT target's pace (1 until 8 questions have come)."""
+    def _most_extra(self) -> int:
+        """The most query blocks `reserved_chunk` may add to `min_prefill_tokens`: up to
+        the 90th percentile question's share of a step at the TTFT target's pace (none
+        until 8 questions have come)."""
         ttft, sizes = self.config.ttft_target_s, self.question_sizes
         if ttft <= 0 or len(sizes) < _MIN_QUESTIONS:
-            return 1
+            return 0
         steps = max(1, int(ttft * (1.0 - _CAPACITY_MARGIN) / self.itl_target) - 1)
         q90 = sorted(sizes)[int(0.9 * (len(sizes) - 1))]
-        return max(1, math.ceil(math.ceil(q90 / steps) / self.cost.block_q))
+        share = self.cost.padded(math.ceil(q90 / steps))
+        least = self.cost.padded(self.config.min_prefill_tokens)
+        return max(0, (share - least) // self.cost.block_q)
 
     def note_ttft(self, seconds: float) -> None:
         """An interactive request's first token came `seconds` after it arrived. Every 8,
@@ -147,9 +150,9 @@ class ItlPlanning:
             return
         p90 = sorted(recent)[int(0.9 * (len(recent) - 1))]
         if p90 > ttft * (1.0 - _CAPACITY_MARGIN):
-            self.reserve_blocks = min(self._most_reserve(), self.reserve_blocks + 1)
+            self.reserve_extra = min(self._most_extra(), self.reserve_extra + 1)
         elif p90 < 0.6 * ttft:
-            self.reserve_blocks = max(1, self.reserve_blocks - 1)
+            self.reserve_extra = max(0, self.reserve_extra - 1)
 
     def _room(self, batch: Batch, seq: Sequence, most: int) -> int:
         """The most prompt tokens of `seq` (up to `most`) that this step can take and

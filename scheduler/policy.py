@@ -124,7 +124,7 @@ class Scheduler(ItlPlanning):
         self.question_sizes: deque[int] = deque(maxlen=64)  # `ItlPlanning.note_question`
         self.recent_ttfts: deque[float] = deque(maxlen=16)  # `ItlPlanning.note_ttft`
         self._ttft_notes = 0
-        self.reserve_blocks = 1  # `ItlPlanning.reserved_chunk`
+        self.reserve_extra = 0  # query blocks `ItlPlanning.reserved_chunk` adds
         # Prompt page keys of the live sequences, counted: a request queued behind another
         # with the same system prompt will find it cached (`expected_uncached`).
         self._promised: dict[int, int] = {}
