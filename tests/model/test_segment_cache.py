@@ -47,13 +47,18 @@ _piece = st.one_of(
 )
 
 
-@settings(max_examples=80, deadline=None,
+@pytest.fixture(scope="module")
+def shared(tok: Tokenizer) -> SegmentEncoder:
+    return SegmentEncoder(tok.hf, tok.encode)  # (~0.1 s to build: once for the examples)
+
+
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(st.lists(_piece, max_size=12), st.integers(0, 3))
-def test_any_text_encodes_as_one_whole_encode(tok: Tokenizer, pieces, long_piece):
+def test_any_text_encodes_as_one_whole_encode(tok: Tokenizer, shared, pieces, long_piece):
     # Specials, their fragments and whitespace at every boundary; one piece is long enough
     # to be cached, and the text is encoded twice (the second from the cache).
-    enc = SegmentEncoder(tok.hf, tok.encode)
+    enc = shared
     pieces = list(pieces) + ["x" * (MIN_CACHED_CHARS // 2) + " é " * MIN_CACHED_CHARS]
     pieces.insert(min(long_piece, len(pieces)), "Ünïcode text, spaced  out\n" * 30)
     text = "".join(pieces)
