@@ -289,12 +289,14 @@ class Leader:
         if self._closed:
             return
         stopping = self.lost is None
+        # Closed before the stop goes out: a follower that stops at once closes its end,
+        # and the monitor must not take that for a lost process.
+        self._closed = True
         if stopping:
             try:
                 self.send(_STOP, ())
             except Exception:  # noqa: BLE001 - closing anyway
                 stopping = False
-        self._closed = True
         deadline = time.monotonic() + timeout_s
         for s in self._socks.values():
             try:  # heartbeats until the follower closes its end
