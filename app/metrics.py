@@ -202,8 +202,8 @@ class _EngineCollector:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
-                    itl_target, ttft_factor, prediction, host, compute, idle, lora_info, lora_requests,
-                    lora_tokens, lora_loads, lora_swaps, lora_loaded)
+                    itl_target, ttft_factor, prediction, host, compute, idle, lora_info,
+                    lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 
 

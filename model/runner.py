@@ -329,9 +329,9 @@ class ModelRunner:
         that 16 just miss holds 4 (measured: docs/benchmarks.md, "Issue 16: a door that
         calibrates itself")."""
         mixed = list(pool.mixed_decode_buckets)
-        if pool.scheduler.itl_target_s > 0 and [m for m in mixed if m]:
-            least = min(m for m in mixed if m)
-            mixed = sorted(set(mixed) | {d for d in pool.decode_buckets if d >= least})
+        beside = [m for m in mixed if m]  # (0: prompt-only steps)
+        if pool.scheduler.itl_target_s > 0 and beside:
+            mixed = sorted(set(mixed) | {d for d in pool.decode_buckets if d >= min(beside)})
         return cls(config, params, eos_token_ids=eos_token_ids, page_size=pool.page_size,
                    kv_cache_bytes=pool.kv_cache_bytes, max_context=pool.max_context,
                    decode_buckets=pool.decode_buckets, prefill_buckets=pool.prefill_buckets,

@@ -35,6 +35,10 @@ _MIN_QUESTIONS = 8
 _TTFT_EVERY = 8  # first tokens between two moves of the reserved room (`note_ttft`)
 
 
+def _p90(values) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))]
+
+
 class ItlPlanning:
     """Mixed into `policy.Scheduler`, whose state it reads (`cost`, `running`, `config`,
     `limits`, `max_running`, `itl_target`, `answer_tokens`) and whose `_preempt` it calls."""
@@ -130,8 +134,7 @@ class ItlPlanning:
         if ttft <= 0 or len(sizes) < _MIN_QUESTIONS:
             return 0
         steps = max(1, int(ttft * (1.0 - _CAPACITY_MARGIN) / self.itl_target) - 1)
-        q90 = sorted(sizes)[int(0.9 * (len(sizes) - 1))]
-        share = self.cost.padded(math.ceil(q90 / steps))
+        share = self.cost.padded(math.ceil(_p90(sizes) / steps))
         least = self.cost.padded(self.config.min_prefill_tokens)
         return max(0, (share - least) // self.cost.block_q)
 
@@ -148,7 +151,7 @@ class ItlPlanning:
         self._ttft_notes += 1
         if self._ttft_notes % _TTFT_EVERY or len(recent) < _TTFT_EVERY:
             return
-        p90 = sorted(recent)[int(0.9 * (len(recent) - 1))]
+        p90 = _p90(recent)
         if p90 > ttft * (1.0 - _CAPACITY_MARGIN):
             self.reserve_extra = min(self._most_extra(), self.reserve_extra + 1)
         elif p90 < 0.6 * ttft:
