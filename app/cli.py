@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ttft-target", type=float, metavar="S",
                    help="refuse (429) requests predicted to wait longer for their first "
                         "token (default: the config's ttft_target_s, 1 s); 0: never")
+    s.add_argument("--ttft-slack", type=float, metavar="X",
+                   help="while running slots are free, refuse only past X times the TTFT "
+                        "target (default: the config's ttft_slack, 3); 1: a strict door, "
+                        "every admitted request expected within the target")
     s.add_argument("--itl-target", type=float, metavar="S",
                    help="plan every step within S seconds: the number of streams follows "
                         "(default: the config's itl_target_s, 0 = off)")
@@ -159,6 +163,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, overlap=False)
         if getattr(args, "ttft_target", None) is not None:
             sched = replace(sched, ttft_target_s=args.ttft_target)
+        if getattr(args, "ttft_slack", None) is not None:
+            sched = replace(sched, ttft_slack=args.ttft_slack)
         if getattr(args, "itl_target", None) is not None:
             sched = replace(sched, itl_target_s=args.itl_target)
         pool = replace(pool, scheduler=sched)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .door import send_error
 from .errors import rate_limited
 
 # A refusal has no natural wait (it lasts until one of the client's requests ends); this
@@ -55,20 +56,13 @@ class PerIPLimit:
         err = rate_limited(f"This client already has {count} requests in flight (limit "
                            f"{self.limit} per IP address).", RETRY_AFTER_S,
                            code="too_many_requests_per_ip")
-        body = err.body()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
         # Hypercorn (h11) wedges a keep-alive connection answered before its request body
         # arrived (server.py, `drain_request_body`): read the body first; one bigger than
         # any request may be is not read to its end, and its connection is closed instead.
         read = await _read_body(receive, self.max_body_bytes)
         if read is None:  # the client went away: nobody to answer
             return
-        if not read:
-            headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, err, close=not read)
 
 
 async def _read_body(receive: Callable, limit: int) -> bool | None:

@@ -29,6 +29,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from .door import DoorFastPath
 from .errors import APIError, error_type_for
 from .limits import PerIPLimit
 from .pools import Pool, Router
@@ -92,6 +93,8 @@ def create_app(state: ServerState) -> QuartTrio:
         return response
 
     app.asgi_app = _CloseFlights(app.asgi_app)  # type: ignore[method-assign]
+    app.asgi_app = DoorFastPath(app.asgi_app, state,  # type: ignore[method-assign]
+                                state.settings.server.max_body_bytes)
     per_ip = state.settings.server.max_connections_per_ip
     if per_ip:  # outermost: a refused request reaches nothing
         app.asgi_app = PerIPLimit(app.asgi_app, per_ip,  # type: ignore[method-assign]

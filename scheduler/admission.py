@@ -247,7 +247,10 @@ class Admission:
         (which would compute the whole prompt): nowhere would it be served sooner. So
         the followers of a new system prompt queue behind it rather than being refused
         until it is cached (a client that does not retry, GuideLLM's, would count each
-        refusal an error; a polite one would come back to the same wait).
+        refusal an error; a polite one would come back to the same wait). A strict door
+        (`ttft_slack` 1: every admitted request is expected within the target, for
+        clients that retry or a router that sends a refusal elsewhere) judges them on the
+        target like any other: refused until the prefix is in, then admitted.
 
         The prediction is judged times `ttft_factor` (how late first tokens have come
         against their predictions), and returned: None when there is none yet."""
@@ -264,18 +267,19 @@ class Admission:
         prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
         step = sched.step_estimate(sched.num_running - sched.batch_running, 0)
         own = prefill + step
-        if wait <= 0.0:
-            return own  # nothing ahead: admitted (nowhere would it start sooner)
-        # Too long to meet the target even on an idle replica (at the full prefill speed,
-        # not the chunks an ITL target leaves it): judged on the wait alone.
-        idle = tokens * (sched.prefill_token_s or 0.0) + step
-        ttft = wait + own if idle <= target else wait
         if prefix_wait and sched.prefill_token_s:
             # It cannot start before the prefix it shares with a running prefill is in.
             ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
             alone = sched.prefill_seconds(prompt_tokens) + step
-            if ttft <= alone:
-                return ttft
+            if ttft <= alone and self.config.ttft_slack > 1.0:
+                return ttft  # (a strict door, slack 1, judges it on the target)
+        elif wait <= 0.0:
+            return own  # nothing ahead: admitted (nowhere would it start sooner)
+        else:
+            # Too long to meet the target even on an idle replica (at the full prefill
+            # speed, not the chunks an ITL target leaves it): judged on the wait alone.
+            idle = tokens * (sched.prefill_token_s or 0.0) + step
+            ttft = wait + own if idle <= target else wait
         if ttft * self.ttft_factor() > self._limit(target, pending):
             retry = self.ticket(self._drain_time(ttft - target, pending))
             # "itl_target": the wait is for a running slot while the ITL target holds the

@@ -87,7 +87,7 @@ def test_cli_overrides():
     args = _parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "9000", "--model",
                                  "random:tiny", "--max-waiting", "3", "--scheduling",
                                  "static", "--no-prefix-cache", "--max-running", "8",
-                                 "--no-overlap"])
+                                 "--no-overlap", "--ttft-slack", "1"])
     s = settings_from(args)
     assert (s.server.host, s.server.port) == ("0.0.0.0", 9000)
     pool = s.pools[0]
@@ -96,6 +96,7 @@ def test_cli_overrides():
         3, "static", False)
     assert (pool.scheduler.max_running, pool.scheduler.static_batch_size) == (8, 8)
     assert pool.scheduler.overlap is False
+    assert pool.scheduler.ttft_slack == 1.0
     plain = settings_from(_parser().parse_args(["serve"]))
     assert plain.pools[0].scheduler.overlap is True
     assert plain == load_settings()

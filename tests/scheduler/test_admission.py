@@ -257,13 +257,28 @@ def test_a_follower_of_a_prefix_in_flight_is_admitted_when_nowhere_is_sooner():
     """A request whose system prompt a running prefill is computing: admitted whenever
     its first token comes here no later than on an idle replica that computes its whole
     prompt; refused when the queue ahead makes it later than both."""
-    adm, sched, _ = door(ttft_target_s=1.0, waiting_tokens=30, prefill_token_s=0.01)
+    adm, sched, _ = door(ttft_target_s=1.0, ttft_slack=3.0, waiting_tokens=30,
+                         prefill_token_s=0.01)
     # 15 s of prefix to go + 0.65 s: 15.65 s here, 20.65 s on a cold replica: admitted.
-    adm.check_ttft(2065, uncached=65, prefix_wait=1500)
+    assert adm.check_ttft(2065, uncached=65, prefix_wait=1500) == pytest.approx(15.65)
     adm.check_ttft(2065, uncached=65, prefix_wait=20)  # max(0.3, 0.2) + 0.65 s: on target
     sched.waiting_tokens = 2500  # 25 s of other prompts ahead: later than 20.65 s alone
     with pytest.raises(Overloaded):
         adm.check_ttft(2065, uncached=65, prefix_wait=1500)
+
+
+def test_a_strict_door_refuses_a_follower_until_its_prefix_is_in():
+    """`ttft_slack` 1: every admitted request is expected within the target, so the
+    followers of a system prompt still being computed are refused (Retry-After: when the
+    prefix is expected in), nothing ahead of them or not, and admitted once it is."""
+    adm, sched, _ = door(ttft_target_s=1.0, ttft_slack=1.0, prefill_token_s=0.01)
+    assert adm.expected_wait() == 0.0  # no queue: only the prefix is ahead
+    with pytest.raises(Overloaded) as e:
+        adm.check_ttft(2065, uncached=65, prefix_wait=1500)  # 15 s + 0.65 s
+    assert e.value.reason == "ttft_target"
+    assert e.value.retry_after_s == pytest.approx(15.65 - 1.0)
+    assert adm.check_ttft(2065, uncached=65, prefix_wait=20) == pytest.approx(0.85)
+    assert adm.check_ttft(2065, uncached=65) == pytest.approx(0.65)  # the prefix is in
 
 
 def test_slack_while_running_slots_are_free_the_target_itself_when_they_are_not():
