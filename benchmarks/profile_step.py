@@ -134,7 +134,7 @@ class Profiler:
         for kind in ("greedy", "full"):
             s = r._samplers[(kind, srows)]
             args = r._sampling_args(kind, srows, chunks)
-            out[f"sample_{kind}"] = timed(lambda: np.asarray(s(logits, *args)), self.repeats)
+            out[f"sample_{kind}"] = timed(lambda: jax.block_until_ready(s(logits, *args)), self.repeats)
         return out
 
     def attention_and_host(self, plan: StepPlan) -> dict:

@@ -49,26 +49,22 @@ class SamplingBatch:
     allowed: jax.Array
 
 
-def _pack(tokens, logprobs):
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
-    return jnp.concatenate(
-        [tokens[:, None].astype(jnp.float32), chosen[:, None],
-         top_ids.astype(jnp.float32), top_lp], axis=1)
-
-
-def sample_greedy(logits):
-    """logits [rows, vocab] f32 -> packed [rows, PACK_WIDTH]. The logprobs it reports are
-    logits less their logsumexp, taken only where needed: the vocabulary-wide log-softmax
-    is never materialised (2.6 ms instead of 4.0 for 16 rows of SmolLM2's 49,152 on the
-    CPU)."""
+def _pack(tokens, logits):
+    """The chosen tokens with their logprobs and the top-20, under the model's own
+    distribution (`logits` raw): each is a logit less the row's logsumexp, taken only where
+    needed, so the vocabulary-wide log-softmax is never materialised (2.6 ms instead of
+    4.0 for 16 rows of SmolLM2's 49,152 on the CPU)."""
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - lse
     top_l, top_ids = jax.lax.top_k(logits, TOP_LOGPROBS)
     return jnp.concatenate(
         [tokens[:, None].astype(jnp.float32), chosen[:, None],
          top_ids.astype(jnp.float32), top_l - lse[:, None]], axis=1)
+
+
+def sample_greedy(logits):
+    """logits [rows, vocab] f32 -> packed [rows, PACK_WIDTH]."""
+    return _pack(jnp.argmax(logits, axis=-1).astype(jnp.int32), logits)
 
 
 def _counts(ids, vocab):
@@ -81,71 +77,87 @@ def _counts(ids, vocab):
 
 def keep_mask(probs, top_k, top_p, min_p, iterations: int = 30):
     """[rows, vocab] bool: the tokens top-k, top-p and min-p keep, without sorting the
-    vocabulary (a sort of 16 rows of 49k logits cost 220 ms a step on the CPU). Each cut
-    is a probability threshold found by bisection: top-k keeps the tokens at least as
-    probable as the k-th; top-p those whose more probable tokens hold less than `top_p`
-    of the mass (the smallest set reaching it); min-p those at least `min_p` x the most
-    probable. Ties at a threshold are all kept."""
+    vocabulary (a sort of 16 rows of 49k logits cost 220 ms a step on the CPU, and
+    `lax.top_k` of the 128 most probable 18 ms a row). Each cut is a probability
+    threshold found by bisection: top-k keeps the tokens at least as probable as the
+    k-th; top-p those whose more probable tokens hold less than `top_p` of the mass (the
+    smallest set reaching it); min-p those at least `min_p` x the most probable. Ties at a
+    threshold are all kept. A search no row of the batch asks for is skipped (each costs
+    `iterations` passes over the vocabulary)."""
     pmax = probs.max(-1)
+    zero = jnp.zeros_like(pmax)
     k = top_k.astype(jnp.float32)
 
-    def body(_, bounds):
-        k_lo, k_hi, p_lo, p_hi = bounds
-        k_mid, p_mid = (k_lo + k_hi) / 2, (p_lo + p_hi) / 2
-        enough = (probs >= k_mid[:, None]).sum(-1) >= k  # still k tokens at this height
-        k_lo, k_hi = jnp.where(enough, k_mid, k_lo), jnp.where(enough, k_hi, k_mid)
-        above = jnp.where(probs > p_mid[:, None], probs, 0.0).sum(-1)
-        short = above < top_p  # tokens this probable fall inside the top-p set
-        p_lo, p_hi = jnp.where(short, p_lo, p_mid), jnp.where(short, p_mid, p_hi)
-        return k_lo, k_hi, p_lo, p_hi
+    # Each lower bound keeps its cut's last token (the k-th; the one that brings the
+    # top-p set to `top_p`) and converges on it from below.
+    def k_step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        enough = (probs >= mid[:, None]).sum(-1) >= k  # still k tokens at this height
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-    zero = jnp.zeros_like(pmax)
-    # The lower bounds: each still keeps its cut's last token (the k-th; the one that
-    # brings the top-p set to `top_p`), and converges on it from below.
-    k_lo, _, p_lo, _ = jax.lax.fori_loop(0, iterations, body, (zero, pmax, zero, pmax))
-    cut = jnp.maximum(jnp.maximum(jnp.where(top_k > 0, k_lo, 0.0),
-                                  jnp.where(top_p < 1.0, p_lo, 0.0)), min_p * pmax)
+    def p_step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        short = jnp.where(probs > mid[:, None], probs, 0.0).sum(-1) < top_p  # inside the set
+        return jnp.where(short, lo, mid), jnp.where(short, mid, hi)
+
+    def search(step, wanted):
+        return jax.lax.cond(jnp.any(wanted), lambda: jax.lax.fori_loop(
+            0, iterations, step, (zero, pmax))[0], lambda: zero)
+
+    cut = jnp.maximum(jnp.maximum(jnp.where(top_k > 0, search(k_step, top_k > 0), 0.0),
+                                  jnp.where(top_p < 1.0, search(p_step, top_p < 1.0), 0.0)),
+                      min_p * pmax)
     return (probs >= cut[:, None]) & (probs > 0.0)
 
 
 def sample_full(logits, sb: SamplingBatch):
-    """logits [rows, vocab] f32 -> packed [rows, PACK_WIDTH]."""
+    """logits [rows, vocab] f32 -> packed [rows, PACK_WIDTH]. The work over the whole
+    vocabulary is a few passes: penalties only in the `penalties` variant (token
+    histories wider than 1), the structured-output mask only when a row has one, one
+    softmax, the truncation (`keep_mask`), and the draw from what it keeps by one uniform
+    number per row (the inverse of its cumulative distribution)."""
     rows, vocab = logits.shape
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-
-    gen_counts = _counts(sb.generated_ids, vocab)
-    seen = (gen_counts + _counts(sb.prompt_ids, vocab)) > 0
-    rep = sb.repetition[:, None]
-    x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    x = x - sb.presence[:, None] * (gen_counts > 0) - sb.frequency[:, None] * gen_counts
+    x = logits
+    if sb.generated_ids.shape[1] > 1:  # (static: the `penalties` variant's histories)
+        gen_counts = _counts(sb.generated_ids, vocab)
+        seen = (gen_counts + _counts(sb.prompt_ids, vocab)) > 0
+        rep = sb.repetition[:, None]
+        x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+        x = x - sb.presence[:, None] * (gen_counts > 0) - sb.frequency[:, None] * gen_counts
     biased = sb.bias_ids >= 0
     x = x.at[jnp.arange(rows)[:, None], jnp.where(biased, sb.bias_ids, 0)].add(
         jnp.where(biased, sb.bias_values, 0.0))
-    ids = jnp.arange(vocab)
-    x = jnp.where((sb.allowed[:, ids // 32] >> (ids % 32)) & 1 > 0, x, -jnp.inf)
 
+    def constrain(x):
+        ids = jnp.arange(vocab)
+        return jnp.where((sb.allowed[:, ids // 32] >> (ids % 32)) & 1 > 0, x, -jnp.inf)
+
+    x = jax.lax.cond(jnp.any(sb.allowed != -1), constrain, lambda x: x, x)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def sample(x):
         temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
-        z = x / temp[:, None]
-        probs = jax.nn.softmax(z, axis=-1)
+        probs = jax.nn.softmax(x / temp[:, None], axis=-1)
         truncate = jnp.any((sb.top_k > 0) | (sb.top_p < 1.0) | (sb.min_p > 0.0))
         keep = jax.lax.cond(truncate, lambda p: keep_mask(p, sb.top_k, sb.top_p, sb.min_p),
                             lambda p: p > 0.0, probs)
         keep = keep.at[jnp.arange(rows), greedy_tok].set(True)
+        cdf = jnp.cumsum(jnp.where(keep, probs, 0.0), axis=-1)
 
-        def gumbel(seed, step):  # the row's own noise: independent of the batch
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-            return jax.random.gumbel(key, (vocab,))
+        def uniform(seed, step):  # the row's own draw: independent of the batch
+            return jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(seed), step))
 
-        noise = jax.vmap(gumbel)(sb.seed, sb.step)
-        sampled = jnp.argmax(jnp.where(keep, z + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+        at = jax.vmap(uniform)(sb.seed, sb.step) * cdf[:, -1]
+        sampled = jnp.minimum(jnp.sum(cdf <= at[:, None], axis=-1), vocab - 1)
+        sampled = jnp.where(jnp.take_along_axis(keep, sampled[:, None], axis=1)[:, 0],
+                            sampled, greedy_tok).astype(jnp.int32)
         return jnp.where(sb.temperature > 0, sampled, greedy_tok)
 
     # Greedy rows here only for a bias, a mask or penalties: no sampling work for them.
     tokens = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda x: greedy_tok, x)
-    return _pack(tokens, logprobs)
+    return _pack(tokens, logits)
 
 
 # ---- host side: building a SamplingBatch from the plan, reading the packed result ---------

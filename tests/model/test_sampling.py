@@ -1,4 +1,5 @@
-"""The sampler's truncation without a sort, against the sort-based definition.
+"""The sampler's truncation without a sort, against the sort-based definition, and its
+draw.
 
 `keep_mask` finds top-k, top-p and min-p by bisection on probability thresholds (a sort
 of the vocabulary cost 220 ms a step on the CPU); on random rows of varied sharpness it
@@ -9,7 +10,10 @@ probable, the most probable always.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from model.sampling import keep_mask
@@ -31,11 +35,14 @@ def _by_sorting(p, top_k, top_p, min_p):
 
 
 def test_keep_mask_equals_the_sort_definition():
+    """Batches of 64 rows of mixed cuts, then rows one at a time (a search no row asks
+    for is skipped)."""
     rng = np.random.default_rng(0)
-    rows, vocab = 64, 500
+    vocab = 500
     mask = jax.jit(keep_mask)
-    for _ in range(10):
-        logits = rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 4)
+    for i in range(20):
+        rows = 64 if i < 10 else 1
+        logits = rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 6)
         p = np.exp(logits - logits.max(1, keepdims=True))
         p = (p / p.sum(1, keepdims=True)).astype(np.float32)
         top_k = np.where(rng.random(rows) < 0.3, 0, rng.integers(1, 50, rows)).astype(np.int32)
@@ -47,3 +54,33 @@ def test_keep_mask_equals_the_sort_definition():
         for r in range(rows):
             want = _by_sorting(p[r], top_k[r], top_p[r], min_p[r])
             assert (got[r] == want).all(), (r, top_k[r], top_p[r], min_p[r])
+
+
+def test_sample_full_draws_each_row_from_what_it_keeps():
+    """The draw (one uniform number a row, through the kept tokens' cumulative mass):
+    only kept tokens come out, at their renormalised frequencies; a seeded row draws
+    the same token whatever its batch mates."""
+    from model.sampling import sample_full, sampling_batch
+    from scheduler.protocol import SamplingParams
+
+    vocab, n = 64, 4000
+    logits = np.log(np.r_[0.5, 0.3, 0.15, np.full(vocab - 3, 0.05 / (vocab - 3))])
+    chunk = SimpleNamespace(sampling=SamplingParams(temperature=1.0, top_p=0.9),
+                            num_generated=0, constraint=None, penalty_token_ids=[],
+                            prompt_token_ids=[])
+    sb = sampling_batch([chunk] * n, n, 1, np.random.default_rng(1), vocab)
+    packed = np.asarray(jax.jit(sample_full)(jnp.asarray(np.tile(logits, (n, 1)),
+                                                         jnp.float32), sb))
+    tokens = packed[:, 0].astype(int)
+    assert set(tokens) <= {0, 1, 2}  # top-p 0.9: 0.5 + 0.3 < 0.9 <= 0.95
+    freq = np.bincount(tokens, minlength=3)[:3] / n
+    assert np.allclose(freq, np.r_[0.5, 0.3, 0.15] / 0.95, atol=0.03), freq
+    np.testing.assert_allclose(packed[0, 1], np.log(0.5) if tokens[0] == 0 else
+                               logits[tokens[0]], rtol=1e-5)
+    seeded = SimpleNamespace(**{**vars(chunk), "sampling": SamplingParams(
+        temperature=1.0, seed=7)})
+    rows = [np.asarray(jax.jit(sample_full)(
+        jnp.asarray(np.tile(logits, (m, 1)), jnp.float32),
+        sampling_batch([seeded] + [chunk] * (m - 1), m, 1, np.random.default_rng(m),
+                       vocab)))[0, 0] for m in (1, 3, 8)]
+    assert rows[0] == rows[1] == rows[2]
