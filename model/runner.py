@@ -512,15 +512,20 @@ class ModelRunner:
         return fn
 
     def _program(self, b: Bucket) -> Callable:
-        """Bucket `b`'s compiled step (compiled now if it is not yet)."""
-        return self._compiled(self._steps, b, lambda: self._compile_step(b))
-
-    def _compile_step(self, b: Bucket) -> Callable:
-        spec = self._spec
+        """Bucket `b`'s compiled step (compiled now if it is not yet). Its example inputs
+        are taken under the device lock *before* the compile lock: the other order, with
+        a thread that holds the device lock waiting on the compile lock (a follower
+        replaying the leader's call for a shape its background precompile has not reached
+        yet), deadlocked a two-process replica's warm-up now and then."""
+        if b in self._steps:
+            return self._steps[b]
         with self._lock:
-            batch = self._batch(self._dummy(b), [])
-            state = self.attention.state
-            lora = self._lora_arrays
+            inputs = (self._batch(self._dummy(b), []), self.attention.state,
+                      self._lora_arrays)
+        return self._compiled(self._steps, b, lambda: self._compile_step(b, *inputs))
+
+    def _compile_step(self, b: Bucket, batch, state, lora) -> Callable:
+        spec = self._spec
         fn = self._spmd(functools.partial(
             forward, cfg=self.local_config, inv_freq=self._inv_freq, attention=self.attention,
             dec_rows=b.dec_rows, pf_blocks=b.pf_tokens // self.block_q, block_q=self.block_q,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import jax
 import numpy as np
@@ -374,3 +375,32 @@ def test_pallas_interpret_runner_gives_the_cpu_backends_greedy_tokens():
         r.warmup()
         tokens[attention], _ = greedy_run(r, prompts, 8)
     assert tokens["pallas_interpret"] == tokens["cpu"]
+
+
+def test_a_compile_waiting_for_the_device_lock_holds_no_compile_lock():
+    """A multi-host follower replays a call (holding the device lock) for a shape its
+    background precompile has not reached, while that precompile is at another shape:
+    the precompile takes its example inputs under the device lock before the compile
+    lock, so the replay's own compile is never stuck behind it (the other order
+    deadlocked a two-process replica's warm-up now and then)."""
+    r = ModelRunner(TINY, random_params(TINY, seed=5), page_size=8, num_pages=32,
+                    max_context=128, decode_buckets=(1, 2), prefill_buckets=(16,),
+                    mixed_decode_buckets=(0,), block_q=8, max_prefill_seqs=1)
+    first, second = Bucket(1, 0), Bucket(2, 0)
+    replayed = threading.Event()
+
+    def replay():
+        with r._lock:
+            background = threading.Thread(target=r._program, args=(second,), daemon=True)
+            background.start()
+            time.sleep(0.5)  # the precompile is waiting for the device lock by now
+            r._program(first)
+            replayed.set()
+        background.join(120)
+
+    threading.Thread(target=replay, daemon=True).start()
+    assert replayed.wait(120), "the replay's compile waited on the precompile"
+    deadline = time.monotonic() + 120
+    while second not in r._steps and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first in r._steps and second in r._steps
