@@ -323,21 +323,39 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
   state_in<NV>(L, pos, m, l);
   sluice::tiles_on();
   for (int64_t t = t0; t < t1;) {
-    int64_t n = 0;  // the block's keys, gathered from their pages
-    while (n < kMaxKeys && t + n < t1) {
-      int64_t c;
-      const int64_t at = chunk_at(P, table, h, t + n, t1, &c);
-      c = std::min<int64_t>(c, kMaxKeys - n);
-      for (int64_t i = 0; i < c; ++i)
-        for (int64_t x = 0; x < d; x += 32) {
-          _mm512_store_si512(S.k + (n + i) * d + x, _mm512_loadu_si512(kpool + at + i * rs + x));
-          _mm512_store_si512(S.vr + (n + i) * d + x, _mm512_loadu_si512(vpool + at + i * rs + x));
-        }
-      n += c;
-    }
-    if (n < kMaxKeys) {
-      std::memset(S.k + n * d, 0, 2 * d * (kMaxKeys - n));
-      std::memset(S.vr + n * d, 0, 2 * d * (kMaxKeys - n));
+    // The block's keys and values: two whole runs of 16 in their pages (pages of a
+    // multiple of 16 keys, the block at a multiple of 16: the usual case) are read in
+    // place, 16 at a stride of a pool row; otherwise they are gathered, zero-padded.
+    const uint16_t *kin[2], *vin[2];
+    int64_t n = 0, stride = rs;
+    if (P.ps % 16 == 0 && t % 16 == 0 && t + kMaxKeys <= t1) {
+      for (int sub = 0; sub < 2; ++sub) {
+        int64_t c;
+        const int64_t at = chunk_at(P, table, h, t + 16 * sub, t1, &c);
+        kin[sub] = kpool + at;
+        vin[sub] = vpool + at;
+      }
+      n = kMaxKeys;
+    } else {
+      while (n < kMaxKeys && t + n < t1) {
+        int64_t c;
+        const int64_t at = chunk_at(P, table, h, t + n, t1, &c);
+        c = std::min<int64_t>(c, kMaxKeys - n);
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t x = 0; x < d; x += 32) {
+            _mm512_store_si512(S.k + (n + i) * d + x,
+                               _mm512_loadu_si512(kpool + at + i * rs + x));
+            _mm512_store_si512(S.vr + (n + i) * d + x,
+                               _mm512_loadu_si512(vpool + at + i * rs + x));
+          }
+        n += c;
+      }
+      if (n < kMaxKeys) {
+        std::memset(S.k + n * d, 0, 2 * d * (kMaxKeys - n));
+        std::memset(S.vr + n * d, 0, 2 * d * (kMaxKeys - n));
+      }
+      kin[0] = S.k, kin[1] = S.k + 16 * d, vin[0] = S.vr, vin[1] = S.vr + 16 * d;
+      stride = d;
     }
     for (int64_t tn = t + n, i = 0, c; i < 2 && tn < t1; ++i, tn += c) {  // the next block
       const int64_t at = chunk_at(P, table, h, tn, t1, &c);
@@ -349,8 +367,9 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
     }
     for (int kp = 0; kp < kMaxKeys / 2; ++kp)  // values as B tiles
       for (int64_t hh = 0; hh < halves; ++hh) {
-        const __m512i a = _mm512_load_si512(S.vr + 2 * kp * d + 32 * hh);
-        const __m512i b = _mm512_load_si512(S.vr + (2 * kp + 1) * d + 32 * hh);
+        const uint16_t* row = vin[kp / 8] + (2 * kp % 16) * stride + 32 * hh;
+        const __m512i a = _mm512_loadu_si512(row);
+        const __m512i b = _mm512_loadu_si512(row + stride);
         _mm512_store_si512(S.v[2 * hh] + 32 * kp, _mm512_unpacklo_epi16(a, b));
         _mm512_store_si512(S.v[2 * hh + 1] + 32 * kp, _mm512_unpackhi_epi16(a, b));
       }
@@ -359,7 +378,7 @@ void walk_amx(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_
       if constexpr (NV > 1) _tile_zero(1);
       if constexpr (NV > 2) _tile_zero(2);
       for (int64_t hh = 0; hh < halves; ++hh) {
-        _tile_loadd(3, S.k + 16 * sub * d + 32 * hh, 2 * d);
+        _tile_loadd(3, kin[sub] + 32 * hh, 2 * stride);
         _tile_loadd(4, S.q[0][hh], 64);
         _tile_dpbf16ps(0, 3, 4);
         if constexpr (NV > 1) {
@@ -508,8 +527,11 @@ void run(ffi::ThreadPool& pool, const Pool& P, const float* q, const std::vector
     const int64_t keys = tasks[i].end;
     const int64_t split = std::max<int64_t>(1, std::min<int64_t>(
         keys / kPartKeys, (want + int64_t(tasks.size()) - 1) / int64_t(tasks.size())));
+    // (Parts start at multiples of 32 keys, so that the tile walk reads its blocks in
+    // place: `walk_amx`.)
     for (int64_t part = 0; part < split; ++part)
-      items.push_back({int64_t(i), keys * part / split, keys * (part + 1) / split});
+      items.push_back({int64_t(i), keys * part / split / 32 * 32,
+                       part + 1 == split ? keys : keys * (part + 1) / split / 32 * 32});
     first[i + 1] = int64_t(items.size());
   }
   const int64_t stride = (d + 2) * kMaxLanes;  // an item's result: m, l, acc

@@ -102,3 +102,12 @@ def test_amx_prefix_then_own_pages_on_bf16_pool(noamx, rows):
                                             np.array([32, 0], np.int32), rows_of, target=pre)
         check(native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l, acc,
                                       target=dec), ref)
+
+
+def test_amx_walks_split_in_parts_read_their_blocks_in_place():
+    """Walks of ~1,600 keys over pages of 16: split over the thread pool in parts that
+    start at multiples of 32 keys, each part's whole blocks read in place in the pool and
+    its tail gathered; merged, within bf16's precision of the reference."""
+    qg, k, v, tables, ctx, ql, ref = _case(3, 5, 4, True, d=64, ps=16, width=100)
+    assert ctx.max() > 2 * 512
+    _bf16_close(native.prefill_attention(qg, k, v, 0, tables, ctx, ql), ref)
