@@ -76,27 +76,6 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
     return await admit_parsed(state, kind, parse(kind, body), tenant, arrival)
 
 
-def refusal_at_the_door(state: ServerState, kind: str, body: bytes,
-                        authorization: str | None) -> APIError | None:
-    """The 429 (or 503: every engine stopped) that `admit` would answer this request at
-    its precheck, found without tokenizing or awaiting anything; None when it would get
-    further (or fail earlier: 503 phase, 401, 400, 404, which `admit` answers itself).
-    `DoorFastPath` answers it before Quart builds a request for it."""
-    if state.phase is not Phase.READY or state.router is None:
-        return None
-    try:
-        tenant = state.tenants.authenticate(authorization)
-        del tenant  # (a key is checked, as `admit` would, before the body)
-        p = parse(kind, body)
-        candidates = state.router.candidates(p.req.model)
-        _precheck(candidates, p.max_tokens)
-    except APIError as e:
-        return e if e.status in (429, 503) else None
-    except Exception:  # noqa: BLE001 (whatever `admit` would make of it, it says)
-        return None
-    return None
-
-
 def parse(kind: str, body: bytes) -> Parsed:
     """Decode and check a completion body (400 naming the parameter)."""
     if kind == "chat":
@@ -174,7 +153,7 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     candidates: list[Pool] = []
     if batch is None:  # a refusal needs no tokenizing or template rendering
         candidates = state.router.candidates(req.model)  # type: ignore[union-attr]
-        _precheck(candidates, p.max_tokens)
+        precheck_pools(candidates, p.max_tokens)
     with _tokenizing(candidates):
         pool, prompt_ids, text, max_tokens, adapter = await resolve(state, kind, p, tenant)
         # best_of ranks its sequences by their tokens' logprobs: computed, shown only if asked.
@@ -284,7 +263,7 @@ def _tokenizing(pools: list[Pool]) -> Iterator[None]:
             p.admitting -= 1
 
 
-def _precheck(pools: list[Pool], max_tokens: int | None) -> None:
+def precheck_pools(pools: list[Pool], max_tokens: int | None) -> None:
     """429 at once when every pool that could serve the model would refuse any request
     asking for `max_tokens` (the body's; None: not given)."""
     refusal: Overloaded | None = None

@@ -20,11 +20,31 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .completions import refusal_at_the_door
+from .completions import parse, precheck_pools
 from .errors import APIError
-from .state import ServerState
+from .state import Phase, ServerState
 
 PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def refusal_at_the_door(state: ServerState, kind: str, body: bytes,
+                        authorization: str | None) -> APIError | None:
+    """The 429 (or 503: every engine stopped) that `admit` would answer this request at
+    its precheck, found without tokenizing or awaiting anything; None when it would get
+    further (or fail earlier: 503 phase, 401, 400, 404, which `admit` answers itself).
+    `DoorFastPath` answers it before Quart builds a request for it."""
+    if state.phase is not Phase.READY or state.router is None:
+        return None
+    try:
+        state.tenants.authenticate(authorization)  # (the key first, as `admit` checks it)
+        p = parse(kind, body)
+        candidates = state.router.candidates(p.req.model)
+        precheck_pools(candidates, p.max_tokens)
+    except APIError as e:
+        return e if e.status in (429, 503) else None
+    except Exception:  # noqa: BLE001 (whatever `admit` would make of it, it says)
+        return None
+    return None
 
 
 async def send_error(send: Callable, err: APIError, *, close: bool = False) -> None:

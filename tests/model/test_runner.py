@@ -1,4 +1,8 @@
-"""The model runner on a tiny random model: compiled shapes, pool updates, sampling."""
+"""The model runner on a tiny random model: compiled shapes, pool updates, sampling.
+
+(About 400 lines: the runner's promises — no compiles in steady state, chunked equals
+one-shot, batch independence, prefix copies, layouts, warm-up order, its locks — each
+tested against the same small model, built once per module.)"""
 
 from __future__ import annotations
 

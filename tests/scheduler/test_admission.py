@@ -1,6 +1,7 @@
 """The door's arithmetic (scheduler/admission.py), with a fake clock and a fake scheduler:
 what is ahead, the TTFT prediction, the step in flight, Retry-After. The engine tests
-check the same rules end to end through `submit`."""
+check the same rules end to end through `submit`. (About 350 lines: a test or two per
+rule of the door, each rule's arithmetic spelled out beside it.)"""
 
 from __future__ import annotations
 
