@@ -44,9 +44,6 @@ one array, so a layer is a page offset added to the tables.
 The file reads top to bottom as JAX's own Pallas ops do (kernels, `pallas_call` wrappers,
 the validated public entry, the backend) and runs past 350 lines on purpose: a kernel and
 the launch that tiles it are read together.
-
-(About 460 lines: two kernels that share one inner loop, their block specs and grids, and
-the split-merge of flash decoding; they change together.)
 """
 
 from __future__ import annotations

@@ -60,9 +60,6 @@ Failures are contained to the requests they touch (docs/reliability.md):
 (About 560 lines: the loop, submit/abort and the one path that ends a request stay
 together, with structured output's token hand-off, `n` choices' shared channel and the
 overlap of launch and commit; admission and the step log live in their own modules.)
-
-(About 570 lines: the loop, its overlap bookkeeping, delivery and its failure paths all
-touch one replica's state on one thread; split, they would share it through a wider API.)
 """
 
 from __future__ import annotations
