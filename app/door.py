@@ -5,12 +5,11 @@ Why: a refusal is only worth giving fast. 64 requests arriving at once on open
 connections took 120-260 ms (p50) to be refused by an idle server, each ~2-3 ms of
 Quart's request and response machinery and our handlers on the one event loop, against
 50-60 ms on a bare ASGI app under hypercorn with the same client (docs/benchmarks.md,
-"The door's fast path"). Here a refusal costs reading the body, checking the key,
+"Issue 16: a strict door, and refusals answered before Quart"). Here a refusal costs reading the body, checking the key,
 decoding the body and asking the pools' precheck: what `completions.admit` does before
 it would tokenize anything, and nothing else.
 
-Semantics stay `admit`'s: `completions.refusal_at_the_door` runs the same checks in the
-same order and answers only a refusal of the precheck (429, or 503 when every engine has
+Semantics stay `admit`'s: `refusal_at_the_door` runs the same checks in the same order and answers only a refusal of the precheck (429, or 503 when every engine has
 stopped); anything else (a bad key, a bad body, an unknown model, a request that would be
 admitted) goes on to the app with its body replayed, where `admit` runs in full and
 answers as it always has.
