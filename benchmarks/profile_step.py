@@ -1,7 +1,7 @@
 """Where a CPU step's time goes (issue 20's first point): the embedded model in the
 default preset's runner, decode steps of 1/4/16 rows at 0.1k/2k/6k tokens of context
 (each row its own pages, and, from 2k, rows sharing a 2,000-token prefix as one customer's
-system prompt does), and the mixed step (16 decodes beside a 256-token prompt chunk).
+system prompt does, and from 8 rows, rows over four copies of it, as four adapters' are), and the mixed step (16 decodes beside a 256-token prompt chunk).
 
 Each part is timed alone, compiled the way the step compiles it, on the same arrays:
 - `matmul_<projection>`: the 30 layers' fused q/k/v, attention output, gate/up and down
@@ -52,7 +52,7 @@ class Profiler:
     def __init__(self, repeats: int, max_context: int, quantization: str = "none") -> None:
         m = load_model("embedded", progress=False)
         self.cfg = m.config
-        pool = PoolConfig(kv_cache_bytes=(max_context + 4096) * 46080,
+        pool = PoolConfig(kv_cache_bytes=(max_context + 4096 + 3 * 2000) * 46080,
                           mixed_decode_buckets=[16], prefill_buckets=[256],
                           quantization=quantization)
         self.runner = r = ModelRunner.for_pool(m.config, m.params, pool)
@@ -63,11 +63,14 @@ class Profiler:
         self._attn = {}
 
     # -- plans --------------------------------------------------------------------------
-    def decode_plan(self, rows: int, context: int, shared: bool) -> StepPlan:
+    def decode_plan(self, rows: int, context: int, shared: bool,
+                    prefixes: int = 1) -> StepPlan:
         """`rows` decode rows at `context` tokens. Own pages: every row walks the same
         physical pages in a rotated order (no two tables share a first page, so the
         backend sees no common prefix; the bytes read are a distinct row's). Shared: the
-        first 2,000 tokens' pages in common, the rest rotated."""
+        first 2,000 tokens' pages in common, the rest rotated; with `prefixes` > 1 the
+        rows are dealt round-robin to that many copies of those pages (distinct pages, as
+        several adapters' or customers' system prompts are)."""
         ps = self.runner.page_size
         n = -(-(context + 1) // ps)
         pages = np.arange(1, n + 1)
@@ -75,7 +78,9 @@ class Profiler:
         own = pages[common:]
         chunks = []
         for i in range(rows):
-            table = list(pages[:common]) + list(np.roll(own, i * max(1, len(own) // rows)))
+            copy = i % prefixes
+            head = pages[:common] if copy == 0 else n + (copy - 1) * common + pages[:common]
+            table = list(head) + list(np.roll(own, i * max(1, len(own) // rows)))
             chunks.append(SeqChunk(seq_id=i, token_ids=[5], start_pos=context,
                                    page_table=table, sample=True,
                                    sampling=SamplingParams(temperature=0.0)))
@@ -203,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             if ctx >= 2000:
                 cases.append(p.case("decode-shared", rows, ctx,
                                     p.decode_plan(rows, ctx, True)))
+                if rows >= 8:
+                    cases.append(p.case("decode-4-prefixes", rows, ctx,
+                                        p.decode_plan(rows, ctx, True, prefixes=4)))
             print(json.dumps(cases[-1]), file=sys.stderr)
     cases.append(p.case("mixed", 16, 2000, p.mixed_plan(16, 2000), prefill_tokens=256))
     print(json.dumps({"unit": "ms", "quantization": args.quantization, "cases": cases}))

@@ -462,8 +462,10 @@ class ModelRunner:
         with self._lock:
             prev = self._prev_tokens  # a step in flight's tokens, which the next one reads
             self._dev_step(b, self._batch(layout, []))
-            for kind in SAMPLERS:
-                np.asarray(self._dev_sample(kind, rows, self._sampling_args(kind, rows, [])))
+            for kind in SAMPLERS:  # (both branches of the top-20's `cond` run once)
+                for top in (False, True):
+                    np.asarray(self._dev_sample(kind, rows,
+                                                self._sampling_args(kind, rows, [], top)))
             self._prev_tokens = prev
         if not self.time_all_shapes and b.pf_tokens not in (0, max(self.prefill_buckets)):
             return
@@ -475,7 +477,8 @@ class ModelRunner:
             prev = self._prev_tokens
             t0 = time.perf_counter()
             self._dev_step(b, self._batch(layout, []))
-            np.asarray(self._dev_sample("greedy", rows, ()))
+            np.asarray(self._dev_sample("greedy", rows,
+                                        self._sampling_args("greedy", rows, [])))
             self.warmup_times.append((b.dec_rows, b.pf_tokens, time.perf_counter() - t0))
             self._prev_tokens = prev
 
@@ -602,15 +605,17 @@ class ModelRunner:
             tokens = jnp.zeros(width, jnp.int32).at[:rows].set(packed[:, 0].astype(jnp.int32))
             return packed, tokens
 
-        args = () if kind == "greedy" else self._spec(self._sampling_args(kind, rows, []))
+        args = self._spec(self._sampling_args(kind, rows, []))
         return jax.jit(run).lower(logits, *args).compile()
 
-    def _sampling_args(self, kind: str, rows: int, samples: list[SeqChunk]) -> tuple:
+    def _sampling_args(self, kind: str, rows: int, samples: list[SeqChunk],
+                       top: bool = False) -> tuple:
+        top = np.bool_(top or sampling.wants_top(samples))
         if kind == "greedy":
-            return ()
+            return (top,)
         hist = self.max_context if kind == "penalties" else 1
         return (sampling.sampling_batch(samples, rows, hist, self._rng,
-                                        self.config.vocab_size),)
+                                        self.config.vocab_size), top)
 
     def _compile_copy(self) -> Callable:
         def copy(kv, src, dst):  # pool rows, every layer's

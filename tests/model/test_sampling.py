@@ -84,3 +84,32 @@ def test_sample_full_draws_each_row_from_what_it_keeps():
         sampling_batch([seeded] + [chunk] * (m - 1), m, 1, np.random.default_rng(m),
                        vocab)))[0, 0] for m in (1, 3, 8)]
     assert rows[0] == rows[1] == rows[2]
+
+
+def test_greedy_pack_argmax_in_blocks_and_top_only_when_asked():
+    """The greedy sampler's two-level argmax is `jnp.argmax` (ties: the first; vocabularies
+    that are and are not multiples of the block), its logprob the log-softmax's, and
+    the top-20 are filled only when `top` is set (zeros otherwise)."""
+    from model.sampling import TOP_LOGPROBS, sample_greedy
+
+    rng = np.random.default_rng(1)
+    f = jax.jit(sample_greedy)
+    for n in (49152, 32000, 3000, 700):
+        x = (rng.standard_normal((6, n)) * 3).astype(np.float32)
+        x[1] = 0.5  # every token tied
+        x[2, [n - 1, 17]] = 40.0  # tied maxima far apart
+        x[3, n - 1] = 40.0  # the last token, in a padded block
+        x[4, :n // 2] = -np.inf  # masked half
+        want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+        lsm = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+        for top in (False, True):
+            packed = np.asarray(f(jnp.asarray(x), np.bool_(top)))
+            assert (packed[:, 0].astype(np.int64) == want).all(), (n, top)
+            np.testing.assert_allclose(packed[:, 1], lsm[np.arange(6), want], atol=1e-5)
+            tops = packed[:, 2 + TOP_LOGPROBS:]
+            if top:
+                ids = packed[:, 2:2 + TOP_LOGPROBS].astype(np.int64)
+                np.testing.assert_allclose(tops, np.take_along_axis(lsm, ids, 1), atol=1e-5)
+                np.testing.assert_allclose(tops[:, 0], lsm.max(1), atol=1e-5)
+            else:
+                assert (packed[:, 2:] == 0).all()
