@@ -60,19 +60,35 @@ constexpr int64_t kParallelTokens = 32;  // fewer tokens under adapters: one thr
 // Phase 1 for up to kTok tokens of one slot: hq[q][j * Rp + r] = A[j, r, :] . x_q for the
 // slot's rows of one layer (row (j, r) at a + j * stride_j + r * k). `xs[q]`: token q's
 // inputs, contiguous (a missing token repeats one: its results are not stored).
+// A slot's rows are short streams (a row of the embedded model's q is 1,152 bytes of
+// bf16), too short for the hardware prefetcher to find, and the weights of a decode step's
+// adapters come from memory: each pass asks for the next pass's rows ahead of its own
+// loads, a cache line per row every 64 bytes it reads (4 rows at a time gave 2-3 GB/s).
 template <typename W>
 void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, int64_t k,
             const float* const* xs, int nt, float* const* hq) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // elements a cache line
   for (int64_t j = 0; j < j_n; ++j) {
     const W* aj = a + j * stride_j;
     for (int64_t r0 = 0; r0 < r_n; r0 += kRows) {
       const W* rows[kRows];
       for (int i = 0; i < kRows; ++i) rows[i] = aj + std::min<int64_t>(r0 + i, r_n - 1) * k;
+      // The next pass's rows: the same target's next ones, or the next target's first.
+      const bool last = r0 + kRows >= r_n && j + 1 == j_n;
+      const W* next = r0 + kRows < r_n ? aj + (r0 + kRows) * k : aj + stride_j;
+      const int64_t next_n = std::min<int64_t>(kRows, r0 + kRows < r_n ? r_n - r0 - kRows : r_n);
+      if (j == 0 && r0 == 0)  // this pass's own rows, the first time
+        for (int i = 0; i < kRows && i < r_n; ++i)
+          for (int64_t c = 0; c < k; c += kLine)
+            _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c), _MM_HINT_T0);
 #ifdef SLUICE_LORA_AVX512
       __m512 acc[kRows][kTok];
       for (int i = 0; i < kRows; ++i)
         for (int q = 0; q < kTok; ++q) acc[i][q] = _mm512_setzero_ps();
       for (int64_t c = 0; c < k; c += 16) {
+        if (!last && c % kLine == 0)
+          for (int64_t i = 0; i < next_n; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c), _MM_HINT_T0);
         const __mmask16 m = k - c >= 16 ? 0xFFFF : (__mmask16)((1u << (k - c)) - 1);
         __m512 xv[kTok];
         for (int q = 0; q < kTok; ++q) xv[q] = _mm512_maskz_loadu_ps(m, xs[q] + c);
@@ -174,6 +190,28 @@ void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t
 #endif
 }
 
+// Columns [c_begin, c_end) of in [rows, cols] as rows of out [cols, rows] (out = in^T):
+// 16 x 16 blocks in registers (a decode step's feature-major x is [K, 16]), edges one by
+// one.
+inline void transpose_into(const float* in, int64_t rows, int64_t cols, int64_t c_begin,
+                           int64_t c_end, float* out) {
+  int64_t r0 = 0, c0 = c_begin;
+#ifdef SLUICE_LORA_AVX512
+  for (; r0 + 16 <= rows; r0 += 16)
+    for (c0 = c_begin; c0 + 16 <= c_end; c0 += 16) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(in + (r0 + i) * cols + c0);
+      sluice::transpose16(v);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + (c0 + i) * rows + r0, v[i]);
+    }
+  // the blocks' rows at the columns past the last whole block
+  for (int64_t r = 0; r < r0; ++r)
+    for (int64_t c = c0; c < c_end; ++c) out[c * rows + r] = in[r * cols + c];
+#endif
+  for (int64_t r = r0; r < rows; ++r)  // the rows past the last whole block
+    for (int64_t c = c_begin; c < c_end; ++c) out[c * rows + r] = in[r * cols + c];
+}
+
 // Blocks of kCols columns in the packed B: each target's columns rounded up.
 inline int64_t b_blocks(const int32_t* bounds, int64_t j_n) {
   int64_t nb = 0;
@@ -212,12 +250,9 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
   const int64_t rp = (r_n + kCols - 1) / kCols * kCols, h_stride = j_n * rp;
   thread_local std::vector<float> hbuf, xbuf;
   hbuf.assign(t * h_stride, 0.f);  // by token (rows of tokens under no adapter unused)
-  xbuf.resize(m_n * k);
   float* h = hbuf.data();
-  float* xb = xbuf.data();
-  const W* al = a + l * j_n * s_n * r_n * k;
-  const int64_t nb = b_blocks(bounds, j_n);
-  const W* bl = b + l * s_n * nb * r_n * kCols;
+  // Each token's input contiguous: x itself, or x^T ([T, K]) from a feature-major x.
+  const float* xt = x;
   // A decode step's few tokens run on the calling thread: handing them to the pool cost
   // more than it saved (16 tokens, 30 layers of the embedded model: 8.2 ms a step alone,
   // 9.4-13.4 ms on both cores); a prompt chunk's are split.
@@ -227,6 +262,17 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
     else
       sluice::parallel_for(pool, n_items, fn);
   };
+  if (fm) {
+    xbuf.resize(t * k);
+    float* xw = xbuf.data();
+    pf((t + 15) / 16, [&](int64_t i) {
+      transpose_into(x, k, t, 16 * i, std::min<int64_t>(t, 16 * i + 16), xw);
+    });
+    xt = xw;
+  }
+  const W* al = a + l * j_n * s_n * r_n * k;
+  const int64_t nb = b_blocks(bounds, j_n);
+  const W* bl = b + l * s_n * nb * r_n * kCols;
   // h = A[slot] @ x, kTok tokens of one slot a work item.
   pf(static_cast<int64_t>(groups.size()), [&](int64_t g) {
     const int64_t m0 = gp[g], s = slots[op[m0]];
@@ -234,11 +280,8 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
     const float* xs[kTok];
     float* hq[kTok];
     for (int q = 0; q < kTok; ++q) {
-      const int64_t mm = m0 + std::min(q, nt - 1), ti = op[mm];
-      float* dst = xb + mm * k;
-      if (q < nt)
-        for (int64_t c = 0; c < k; ++c) dst[c] = fm ? x[c * t + ti] : x[ti * k + c];
-      xs[q] = dst;
+      const int64_t ti = op[m0 + std::min(q, nt - 1)];
+      xs[q] = xt + ti * k;
       hq[q] = h + ti * h_stride;
     }
     a_rows(al + s * r_n * k, j_n, s_n * r_n * k, r_n, rp, k, xs, nt, hq);
@@ -250,9 +293,16 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
   for (int64_t j = 0, blk = 0; j < j_n; ++j)
     for (int64_t o = bounds[j]; o < bounds[j + 1]; o += kCols) items.push_back({j, o, blk++});
   const Item* ip = items.data();
+  const int64_t blk_n = r_n * kCols, blk_bytes = blk_n * int64_t(sizeof(W));
   pf(static_cast<int64_t>(items.size()), [&](int64_t p) {
     const int64_t j = ip[p].j, o0 = ip[p].o0;
     const int64_t w = std::min<int64_t>(kCols, bounds[j + 1] - o0);
+    if (ip[p].blk + 1 < nb)  // the next block of each slot in use, as a_rows does
+      for (int64_t s = 0; s < s_n; ++s)
+        if (sp[s + 1] > sp[s])
+          for (int64_t off = 0; off < blk_bytes; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(bl + (s * nb + ip[p].blk + 1) * blk_n) +
+                         off, _MM_HINT_T0);
     for (int64_t c0 = 0; c0 < t; c0 += 16)
       b_chunk(bl + ip[p].blk * r_n * kCols, nb * r_n * kCols, r_n, rp, j, h, h_stride,
               slots, s_n, c0, static_cast<int>(std::min<int64_t>(16, t - c0)), o0, w, out,
