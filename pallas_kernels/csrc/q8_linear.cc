@@ -58,6 +58,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per scale
 constexpr int64_t kGroup = 16;  // columns packed together
 constexpr int64_t kSub = 4;     // columns of a register tile (AVX-512 paths)
+constexpr int64_t kAhead = 8;   // blocks of weights prefetched ahead (AMX path)
 
 
 
@@ -263,7 +264,15 @@ void amx_tiles(const uint8_t* wg, const float* sg, uint16_t* wb, const uint16_t*
   if constexpr (NT > 3) _tile_zero(3);
   const uint16_t* x0 = xv + mt0 * kb * 512;
   for (int64_t b = 0; b < kb; ++b) {
-    if (wg != nullptr) dequantize_blocks(wg, sg, b, b + 1, wb);
+    if (wg != nullptr) {
+      // The weights stream from memory at a few GB/s a thread unless asked for ahead:
+      // a block's 512 bytes and its scales, kAhead blocks on (past the group's end, the
+      // next group's: a work item's groups lie one after another).
+      const char* ahead = reinterpret_cast<const char*>(wg + (b + kAhead) * kGroup * kBlock);
+      for (int i = 0; i < kGroup * kBlock; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sg + (b + kAhead) * kGroup), _MM_HINT_T0);
+      dequantize_blocks(wg, sg, b, b + 1, wb);
+    }
     _tile_loadd(4, wb + b * 512, 64);
     _tile_loadd(5, x0 + b * 512, 64);
     _tile_dpbf16ps(0, 4, 5);
