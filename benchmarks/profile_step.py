@@ -15,6 +15,7 @@ Each part is timed alone, compiled the way the step compiles it, on the same arr
 Medians of `--repeats` runs. Prints one JSON line: {"cases": [...]}.
 
     .venv/bin/python benchmarks/profile_step.py [--repeats 5] [--quick] [--quantization int8]
+        [--rows 1,16] [--contexts 100,2000] [--no-mixed]
 
 With `--quantization int8` the runner holds int8 weights (model/quant.py) and the
 projections and the lm_head are timed through the native kernel, as every shape runs them.
@@ -198,11 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="16 rows at 2k only")
     ap.add_argument("--quantization", default="none", choices=("none", "int8"))
+    ap.add_argument("--rows", default=None, help="row counts, e.g. 1,16 (default 1,4,16)")
+    ap.add_argument("--contexts", default=None, help="e.g. 100,2000 (default 100,2000,6000)")
+    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed step")
     args = ap.parse_args(argv)
     contexts = (2000,) if args.quick else (100, 2000, 6000)
+    if args.contexts:
+        contexts = tuple(int(c) for c in args.contexts.split(","))
+    row_counts = (16,) if args.quick else (1, 4, 16)
+    if args.rows:
+        row_counts = tuple(int(r) for r in args.rows.split(","))
     p = Profiler(args.repeats, max(contexts), args.quantization)
     cases = []
-    for rows in ((16,) if args.quick else (1, 4, 16)):
+    for rows in row_counts:
         for ctx in contexts:
             cases.append(p.case("decode-own", rows, ctx, p.decode_plan(rows, ctx, False)))
             if ctx >= 2000:
@@ -212,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                     cases.append(p.case("decode-4-prefixes", rows, ctx,
                                         p.decode_plan(rows, ctx, True, prefixes=4)))
             print(json.dumps(cases[-1]), file=sys.stderr)
-    cases.append(p.case("mixed", 16, 2000, p.mixed_plan(16, 2000), prefill_tokens=256))
+    if not args.no_mixed:
+        cases.append(p.case("mixed", 16, 2000, p.mixed_plan(16, 2000), prefill_tokens=256))
     print(json.dumps({"unit": "ms", "quantization": args.quantization, "cases": cases}))
     return 0
 
