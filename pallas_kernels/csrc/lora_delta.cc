@@ -30,8 +30,8 @@
 // tokens (b_chunk). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
 // tokens for A, blocks of 16 columns for B.
 //
-// (Both phases in their AVX-512 and portable forms, the in-register
-// transpose and the entry point read one packing and change together.)
+// (About 360 lines: both phases in their AVX-512 and portable forms, the transpositions,
+// the prefetching and the entry point read one packing and change together.)
 
 #include <immintrin.h>
 
