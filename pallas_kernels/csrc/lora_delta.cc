@@ -73,6 +73,7 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
     for (int64_t r0 = 0; r0 < r_n; r0 += kRows) {
       const W* rows[kRows];
       for (int i = 0; i < kRows; ++i) rows[i] = aj + std::min<int64_t>(r0 + i, r_n - 1) * k;
+#ifdef SLUICE_LORA_AVX512
       // The next pass's rows: the same target's next ones, or the next target's first.
       const bool last = r0 + kRows >= r_n && j + 1 == j_n;
       const W* next = r0 + kRows < r_n ? aj + (r0 + kRows) * k : aj + stride_j;
@@ -81,7 +82,6 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
         for (int i = 0; i < kRows && i < r_n; ++i)
           for (int64_t c = 0; c < k; c += kLine)
             _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c), _MM_HINT_T0);
-#ifdef SLUICE_LORA_AVX512
       __m512 acc[kRows][kTok];
       for (int i = 0; i < kRows; ++i)
         for (int q = 0; q < kTok; ++q) acc[i][q] = _mm512_setzero_ps();
@@ -304,7 +304,7 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
             _mm_prefetch(reinterpret_cast<const char*>(bl + (s * nb + ip[p].blk + 1) * blk_n) +
                          off, _MM_HINT_T0);
     for (int64_t c0 = 0; c0 < t; c0 += 16)
-      b_chunk(bl + ip[p].blk * r_n * kCols, nb * r_n * kCols, r_n, rp, j, h, h_stride,
+      b_chunk(bl + ip[p].blk * blk_n, nb * blk_n, r_n, rp, j, h, h_stride,
               slots, s_n, c0, static_cast<int>(std::min<int64_t>(16, t - c0)), o0, w, out,
               fm, t, n);
   });
