@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.native import LORA_BLOCK, available, lora_delta, pack_lora_b
+from pallas_kernels.native import LORA_BLOCK, fast, lora_delta, pack_lora_b
 
 from .config import ModelConfig
 from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter
@@ -62,7 +62,7 @@ class NativeLora:
 
 def native_available() -> bool:
     """Whether this process runs the native LoRA kernel (the CPU backend, kernels built)."""
-    return jax.default_backend() == "cpu" and available()[0]
+    return jax.default_backend() == "cpu" and fast()[0]
 
 
 class LoraSlots:

@@ -150,16 +150,17 @@ class ModelRunner:
 
         # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
         # CPU backend's native kernel in every shape; their f32 copies are not kept.
-        # "auto": int8 on the CPU where the kernel builds, else the weights' dtype.
+        # "auto": int8 on the CPU where the kernel builds with a fast path (AMX, AVX-512,
+        # AVX2), else the weights' dtype.
         if quantization not in ("auto", "none", "int8"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int8', not "
                              f"{quantization!r}")
         if quantization == "auto":
             quantization = "none"
             if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
-                from pallas_kernels.native import available
+                from pallas_kernels.native import fast
 
-                ok, why = available()
+                ok, why = fast()
                 if ok:
                     quantization = "int8"
                 else:

@@ -57,12 +57,13 @@ class CpuBackend(AttentionBackend):
                  min_prefix_rows: int = 2) -> None:
         super().__init__(pool)
         # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
-        # where they build and the pool is f32 or bf16 bits (otherwise the jnp cascade).
-        if native is None:
-            from .native import available
-
-            native = available()[0]
+        # where they build fast (or the pool is bf16 bits, which only they read) and the
+        # pool is f32 or bf16 bits (otherwise the jnp cascade).
         bits = np.dtype(pool.dtype) == np.uint16  # bf16 bit patterns: native kernels only
+        if native is None:
+            from .native import available, fast
+
+            native = (available() if bits else fast())[0]
         self.native = bool(native) and np.dtype(pool.dtype) in (np.float32, np.uint16) and \
             pool.head_dim % 16 == 0 and pool.head_dim <= 256
         if bits and not self.native:

@@ -123,14 +123,28 @@ def load() -> ctypes.CDLL:
 
 @functools.cache
 def available() -> tuple[bool, str]:
-    """(True, "amx" | "avx512" | "portable") once loaded, else (False, why not); asked
-    once per process (a failing build is not retried by every runner and backend)."""
+    """(True, "amx" | "avx512" | "avx2" | "portable") once loaded, else (False, why not);
+    asked once per process (a failing build is not retried by every runner and backend).
+    "portable" (x86 without AVX2) computes the right numbers one product at a time: too
+    slow to serve by default (`fast()`)."""
     try:
         lib = load()
     except (NativeUnavailable, OSError) as e:
         return False, str(e)
     return True, ("amx" if lib.sluice_q8_amx() else
-                  "avx512" if lib.sluice_q8_avx512() else "portable")
+                  "avx512" if lib.sluice_q8_avx512() else
+                  "avx2" if lib.sluice_q8_avx2() else "portable")
+
+
+def fast() -> tuple[bool, str]:
+    """(True, kind) where the native kernels beat XLA:CPU's f32 (AMX, AVX-512, AVX2), else
+    (False, why): what "auto" settings ask before choosing int8 weights and a bf16 pool.
+    The portable build is 6-45x slower than f32 (docs/benchmarks.md, "AVX2")."""
+    ok, what = available()
+    if ok and what == "portable":
+        return False, "the native kernels' portable build (this CPU has no AVX2) is slower " \
+                      "than f32"
+    return ok, what
 
 
 def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,

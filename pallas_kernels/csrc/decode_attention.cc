@@ -85,7 +85,6 @@ void row_head(const Args& a, int64_t r, int64_t h) {
       kp[i] = kpool + at + i * row_stride;
       vp[i] = vpool + at + i * row_stride;
     }
-#ifdef __AVX512F__
     {  // the next chunk's keys and values on their way while this one is computed
       const int64_t t1 = t0 + n;
       if (t1 < end) {
@@ -103,6 +102,7 @@ void row_head(const Args& a, int64_t r, int64_t h) {
           }
       }
     }
+#ifdef __AVX512F__
     for (int i = 0; i < n; ++i) {  // scores: q . k for every head of the group
       __m512 dot[kMaxG];
       for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
@@ -136,6 +136,47 @@ void row_head(const Args& a, int64_t r, int64_t h) {
           av[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][i]), vv, av[j]);
       }
       for (int64_t j = 0; j < g; ++j) _mm512_store_ps(acc[j] + c, av[j]);
+    }
+#elif defined(SLUICE_AVX2)
+    for (int i = 0; i < n; ++i) {  // the same on 8 lanes
+      __m256 dot[kMaxG];
+      for (int64_t j = 0; j < g; ++j) dot[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 kv = sluice::widen8(kp[i] + c);
+        for (int64_t j = 0; j < g; ++j)
+          dot[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), kv, dot[j]);
+      }
+      for (int64_t j = 0; j < g; ++j) s[j][i] = sluice::sum8(dot[j]);
+    }
+    alignas(64) float p[kMaxG][kChunk];
+    float corr[kMaxG];
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j = 0; j < g; ++j) {
+      float m_new = m[j];
+      for (int i = 0; i < n; ++i) m_new = std::max(m_new, s[j][i]);
+      __m256 sum = _mm256_setzero_ps();
+      for (int h = 0; h < kChunk; h += 8) {  // keys past n weigh 0
+        const __m256 valid = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - h)), index));
+        const __m256 pv = _mm256_and_ps(
+            valid, sluice::exp8(_mm256_sub_ps(_mm256_load_ps(s[j] + h), _mm256_set1_ps(m_new))));
+        _mm256_store_ps(p[j] + h, pv);
+        sum = _mm256_add_ps(sum, pv);
+      }
+      corr[j] = std::exp(m[j] - m_new);
+      l[j] = l[j] * corr[j] + sluice::sum8(sum);
+      m[j] = m_new;
+    }
+    for (int64_t c = 0; c < d; c += 8) {  // acc = acc * corr + sum_i p_i v_i
+      __m256 av[kMaxG];
+      for (int64_t j = 0; j < g; ++j)
+        av[j] = _mm256_mul_ps(_mm256_load_ps(acc[j] + c), _mm256_set1_ps(corr[j]));
+      for (int i = 0; i < n; ++i) {
+        const __m256 vv = sluice::widen8(vp[i] + c);
+        for (int64_t j = 0; j < g; ++j)
+          av[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j][i]), vv, av[j]);
+      }
+      for (int64_t j = 0; j < g; ++j) _mm256_store_ps(acc[j] + c, av[j]);
     }
 #else
     for (int i = 0; i < n; ++i)

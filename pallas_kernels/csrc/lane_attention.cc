@@ -261,6 +261,128 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
 }
 #endif
 
+#ifdef SLUICE_AVX2
+// The walk on AVX2 (no AVX-512): lanes in vectors of 8, scores and values computed for
+// up to two vectors at a time (16 registers), otherwise `walk`'s order of operations.
+template <int VB>
+inline void scores8(const Lanes& L, const float* const* kp, int64_t n, int64_t d, int v,
+                    float* s) {
+  constexpr int kKeys = 4;
+  for (int i = 0; i < n; i += kKeys) {  // keys past n repeat the last (scored, unused)
+    __m256 a[VB][kKeys];
+    for (int u = 0; u < VB; ++u)
+      for (int kk = 0; kk < kKeys; ++kk) a[u][kk] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; ++c) {
+      __m256 qv[VB];
+      for (int u = 0; u < VB; ++u) qv[u] = _mm256_load_ps(L.qt[c] + 8 * (v + u));
+      for (int kk = 0; kk < kKeys; ++kk) {
+        const __m256 b = _mm256_broadcast_ss(kp[i + kk] + c);
+        for (int u = 0; u < VB; ++u) a[u][kk] = _mm256_fmadd_ps(qv[u], b, a[u][kk]);
+      }
+    }
+    for (int kk = 0; kk < kKeys; ++kk)
+      for (int u = 0; u < VB; ++u) _mm256_store_ps(s + (i + kk) * kMaxLanes + 8 * (v + u), a[u][kk]);
+  }
+}
+
+template <int VB>
+inline void values8(Lanes& L, const float* const* vp, int64_t n, int64_t c, int v,
+                    const float* s, const float* corr) {
+  constexpr int kDims = 4;
+  __m256 a[VB][kDims];
+  for (int u = 0; u < VB; ++u)
+    for (int j = 0; j < kDims; ++j)
+      a[u][j] = _mm256_mul_ps(_mm256_load_ps(L.acc[c + j] + 8 * (v + u)),
+                              _mm256_load_ps(corr + 8 * (v + u)));
+  for (int i = 0; i < n; ++i) {
+    __m256 pv[VB];
+    for (int u = 0; u < VB; ++u) pv[u] = _mm256_load_ps(s + i * kMaxLanes + 8 * (v + u));
+    for (int j = 0; j < kDims; ++j) {
+      const __m256 b = _mm256_broadcast_ss(vp[i] + c + j);
+      for (int u = 0; u < VB; ++u) a[u][j] = _mm256_fmadd_ps(pv[u], b, a[u][j]);
+    }
+  }
+  for (int u = 0; u < VB; ++u)
+    for (int j = 0; j < kDims; ++j) _mm256_store_ps(L.acc[c + j] + 8 * (v + u), a[u][j]);
+}
+
+template <typename T>
+void walk8(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
+           Lanes& L) {
+  const int nv = (L.n + 7) / 8;
+  const int64_t d = P.d, rs = P.kvh * d;
+  const T* kpool = static_cast<const T*>(P.k);
+  const T* vpool = static_cast<const T*>(P.v);
+  alignas(64) float s[kChunk * kMaxLanes];  // scores, then weights: [key][lane]
+  alignas(64) float corr[kMaxLanes];
+  alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 8];
+  alignas(64) float vw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 8];
+  for (int64_t t = t0, n; t < t1; t += n) {
+    const int64_t at = chunk_at(P, table, h, t, t1, &n);
+    const float* kp[kChunk];
+    const float* vp[kChunk];
+    if constexpr (sizeof(T) == 2) {  // bf16 bits: the chunk widened once, then as f32
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < d; c += 8) {
+          _mm256_store_ps(kw[i] + c, sluice::widen8(kpool + at + i * rs + c));
+          _mm256_store_ps(vw[i] + c, sluice::widen8(vpool + at + i * rs + c));
+        }
+      for (int i = 0; i < kChunk; ++i) {
+        kp[i] = kw[std::min<int64_t>(i, n - 1)];
+        vp[i] = vw[std::min<int64_t>(i, n - 1)];
+      }
+    } else {
+      for (int i = 0; i < kChunk; ++i) {
+        kp[i] = reinterpret_cast<const float*>(kpool) + at + std::min<int64_t>(i, n - 1) * rs;
+        vp[i] = reinterpret_cast<const float*>(vpool) + at + std::min<int64_t>(i, n - 1) * rs;
+      }
+    }
+    if (t + n < t1) {  // the next chunk on its way while this one is computed
+      int64_t nj;
+      const int64_t atj = chunk_at(P, table, h, t + n, t1, &nj);
+      for (int64_t i = 0; i < nj; ++i)
+        for (int64_t c = 0; c < d; c += 64 / sizeof(T)) {
+          _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i * rs + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i * rs + c), _MM_HINT_T0);
+        }
+    }
+    for (int v = 0; v < nv; v += 2) {
+      if (v + 1 < nv) scores8<2>(L, kp, n, d, v, s);
+      else scores8<1>(L, kp, n, d, v, s);
+    }
+    for (int v = 0; v < nv; ++v) {  // the online softmax, down the lanes
+      const __m256i pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(L.pos + 8 * v));
+      const __m256 m = _mm256_load_ps(L.m + 8 * v);
+      __m256 seen[kChunk];
+      __m256 mx = m;
+      for (int i = 0; i < n; ++i) {  // a lane sees key t + i iff t + i <= pos
+        seen[i] = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(pos, _mm256_set1_epi32(static_cast<int32_t>(t + i - 1))));
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(kNeg),
+                                                _mm256_load_ps(s + i * kMaxLanes + 8 * v),
+                                                seen[i]));
+      }
+      const __m256 c = sluice::exp8(_mm256_sub_ps(m, mx));
+      _mm256_store_ps(corr + 8 * v, c);
+      __m256 l = _mm256_mul_ps(_mm256_load_ps(L.l + 8 * v), c);
+      for (int i = 0; i < n; ++i) {
+        float* si = s + i * kMaxLanes + 8 * v;
+        const __m256 p = _mm256_and_ps(seen[i], sluice::exp8(_mm256_sub_ps(_mm256_load_ps(si), mx)));
+        _mm256_store_ps(si, p);
+        l = _mm256_add_ps(l, p);
+      }
+      _mm256_store_ps(L.m + 8 * v, mx);
+      _mm256_store_ps(L.l + 8 * v, l);
+    }
+    for (int64_t c = 0; c < d; c += 4)  // acc = acc * corr + sum_i p_i v_i
+      for (int v = 0; v < nv; v += 2) {
+        if (v + 1 < nv) values8<2>(L, vp, n, c, v, s, corr);
+        else values8<1>(L, vp, n, c, v, s, corr);
+      }
+  }
+}
+#endif
+
 #if defined(SLUICE_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SLUICE_LANE_AMX 1
 // Benchmarks switch the tile unit's path off and on in one process (sluice_lane_amx).
@@ -468,6 +590,8 @@ void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
     case 2: return walk<2, T>(P, table, h, t0, t1, L);
     default: return walk<3, T>(P, table, h, t0, t1, L);
   }
+#elif defined(SLUICE_AVX2)
+  return walk8<T>(P, table, h, t0, t1, L);
 #else
   const int64_t d = P.d, rs = P.kvh * d;
   const T* kpool = static_cast<const T*>(P.k);

@@ -319,8 +319,130 @@ void to_bf16(const float* src, int64_t count, uint16_t* dst) {
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
   for (; i < count; ++i) dst[i] = bf16_bits(src[i]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SLUICE_Q8_AVX2 1
+// AVX2 + FMA (no AVX-512: AMD before Zen 4, Intel before Skylake-SP, many cloud CPUs).
+// The same definition in f32 FMAs on 8 lanes: a block's weights are dequantized
+// ((u - 128) * s, rounded to bf16 as the other paths round them) and the activations
+// come rounded to bf16 too, widened to f32 once a call (`round_bf16`). A column's 8 lane
+// sums run over blocks and their four quarters in one order whatever the rows, then
+// `sum8` adds the lanes in one order: a row's result does not depend on its batch.
+
+// v rounded to bf16 (nearest even), kept as f32: the bits the AVX-512 path would use.
+inline __m256 bf16_round8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(~0xffff)));
+}
+
+// Quarter q (values 8q..8q+7) of the block at wr with scale s, dequantized.
+inline __m256 dequantize8(const uint8_t* wr, int q, __m256 s) {
+  const __m128i u = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + 8 * q));
+  const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(u), _mm256_set1_epi32(128));
+  return bf16_round8(_mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+// Rows [m0, m0 + MT) by columns j0..j0 + NT of one group, dequantizing as it goes
+// (few rows: reading the weights is the cost). x: f32 [T, K], already bf16-rounded.
+template <int MT, int NT>
+inline void tile8(const uint8_t* wg, const float* sg, int j0, const float* x, int64_t k,
+                  int64_t m0, int64_t n0, const Out& out) {
+  const int64_t kb = k / kBlock;
+  __m256 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(wg + ((b + kAhead) * kGroup + j0) * kBlock),
+                 _MM_HINT_T0);
+    __m256 s[NT];
+    for (int j = 0; j < NT; ++j) s[j] = _mm256_set1_ps(sg[b * kGroup + j0 + j]);
+    for (int q = 0; q < 4; ++q) {
+      __m256 w[NT];
+      for (int j = 0; j < NT; ++j) w[j] = dequantize8(wg + (b * kGroup + j0 + j) * kBlock, q, s[j]);
+      for (int i = 0; i < MT; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * k + b * kBlock + 8 * q);
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) out.set(m0 + i, n0 + j0 + j, sum8(acc[i][j]));
+}
+
+// Many rows: the group's 16 columns dequantized once into wb ([K/32][16][32] f32, 36 KB
+// for K = 576: L2), then register tiles of MT rows x 4 columns, the rows' activations
+// read from L1 for all four tiles of columns.
+template <int MT>
+inline void tile8_dequantized(const float* wb, int j0, const float* x, int64_t k, int64_t m0,
+                              int64_t n0, const Out& out) {
+  const int64_t kb = k / kBlock;
+  __m256 acc[MT][kSub];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < kSub; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b)
+    for (int q = 0; q < 4; ++q) {
+      __m256 w[kSub];
+      for (int j = 0; j < kSub; ++j)
+        w[j] = _mm256_loadu_ps(wb + (b * kGroup + j0 + j) * kBlock + 8 * q);
+      for (int i = 0; i < MT; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * k + b * kBlock + 8 * q);
+        for (int j = 0; j < kSub; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+      }
+    }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < kSub; ++j) out.set(m0 + i, n0 + j0 + j, sum8(acc[i][j]));
+}
+
+constexpr int64_t kDequantizeOnceRows8 = 4;  // from this many rows on
+
+void group(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_t t,
+           int64_t n0, const Out& out) {
+  const int64_t kb = k / kBlock;
+  if (t < kDequantizeOnceRows8) {
+    for (int j0 = 0; j0 < kGroup; j0 += 2) {
+      switch (t) {
+        case 3: tile8<3, 2>(wg, sg, j0, x, k, 0, n0, out); break;
+        case 2: tile8<2, 2>(wg, sg, j0, x, k, 0, n0, out); break;
+        default: tile8<1, 2>(wg, sg, j0, x, k, 0, n0, out); break;
+      }
+    }
+    return;
+  }
+  thread_local std::vector<float> wb;
+  wb.resize(kb * kGroup * kBlock);
+  for (int64_t i = 0; i < kb * kGroup; ++i) {  // block b, column j: i = b * 16 + j
+    const __m256 s = _mm256_set1_ps(sg[i]);
+    for (int q = 0; q < 4; ++q)
+      _mm256_storeu_ps(wb.data() + i * kBlock + 8 * q, dequantize8(wg + i * kBlock, q, s));
+  }
+  int64_t m = 0;
+  for (; m + 3 <= t; m += 3)
+    for (int j0 = 0; j0 < kGroup; j0 += kSub) tile8_dequantized<3>(wb.data(), j0, x, k, m, n0, out);
+  for (int j0 = 0; j0 < kGroup; j0 += kSub) {
+    switch (t - m) {
+      case 2: tile8_dequantized<2>(wb.data(), j0, x, k, m, n0, out); break;
+      case 1: tile8_dequantized<1>(wb.data(), j0, x, k, m, n0, out); break;
+      default: break;
+    }
+  }
+}
+
+// The activations rounded to bf16, kept as f32.
+void round_bf16(const float* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(dst + i, bf16_round8(_mm256_loadu_ps(src + i)));
+  for (; i < count; ++i) dst[i] = bf16_value(bf16_bits(src[i]));
+}
 #else
-// Portable fallback (no AVX-512): the same arithmetic, one product at a time.
+// Portable fallback (no AVX2): the same arithmetic, one product at a time.
 void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int64_t t,
            int64_t n0, const Out& out) {
   for (int j = 0; j < kGroup; ++j)
@@ -390,9 +512,16 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       for (int64_t m = 0; m < t; ++m) transposed[m * k + i] = xf[i * t + m];
     xf = transposed.data();
   }
+#ifdef SLUICE_Q8_AVX2
+  thread_local std::vector<float> xr;
+  xr.resize(t * k);
+  round_bf16(xf, t * k, xr.data());
+  const float* xt = xr.data();
+#else
   xb.resize(t * k);
   to_bf16(xf, t * k, xb.data());
   const uint16_t* xt = xb.data();
+#endif
   // Pieces of 64 columns: enough to balance the threads, few enough that each streams a
   // long run of weights.
   sluice::parallel_for(pool, items, [&](int64_t p) {
@@ -417,6 +546,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Linear, Q8LinearImpl,
 // 1 when built with the AVX-512 path, 0 for the portable one.
 extern "C" int sluice_q8_avx512() {
 #ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 when built with the AVX2 path (no AVX-512), else 0.
+extern "C" int sluice_q8_avx2() {
+#ifdef SLUICE_Q8_AVX2
   return 1;
 #else
   return 0;

@@ -1,6 +1,6 @@
 """int8 weights (model/quant.py) and the CPU's native kernel (pallas_kernels/native.py):
 the kernel against its definition in numpy, for both layouts, every tile shape and each
-build this CPU can run (AMX, AVX-512, portable); a row's result independent of its batch;
+build this CPU can run (AMX, AVX-512, AVX2, portable); a row's result independent of its batch;
 the runner on a tiny random model against the f32 runner, holding no f32 projections."""
 
 from __future__ import annotations
@@ -69,14 +69,19 @@ def _build(name: str, *flags: str) -> ctypes.CDLL:
 
 
 def _builds() -> list[str]:
-    """The kernel's paths this CPU runs: the default build, and where that one uses AMX,
-    the AVX-512 path built without it."""
+    """The kernel's paths this CPU runs: the default build, where that one uses AMX the
+    AVX-512 path built without it, and where it uses AVX-512 the AVX2 path."""
     out = [native.TARGET]
     if native.available()[1] == "amx":
         lib = _build("sluice_q8_linear_avx512", "-march=native", "-mno-amx-tile",
                      "-mno-amx-bf16", "-mno-amx-int8")
         assert lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx512() == 1
         out.append("sluice_q8_linear_avx512")
+    flags = native._cpu_flags().split()
+    if native.available()[1] != "avx2" and "avx2" in flags and "fma" in flags:
+        lib = _build("sluice_q8_linear_avx2", "-march=haswell")
+        assert lib.sluice_q8_avx2() == 1
+        out.append("sluice_q8_linear_avx2")
     return out
 
 
@@ -109,7 +114,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(target):
 
 def test_the_portable_build_computes_the_same():
     lib = _build("sluice_q8_linear_portable", "-march=x86-64")
-    assert lib.sluice_q8_avx512() == 0 and lib.sluice_q8_amx() == 0
+    assert lib.sluice_q8_avx512() == 0 and lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx2() == 0
     rng = np.random.default_rng(4)
     m = quantize_int8((rng.standard_normal((2, 12, 64)) * 0.1).astype(np.float32))
     x = rng.standard_normal((6, 64)).astype(np.float32)
@@ -162,6 +167,27 @@ def test_int8_without_the_native_kernel_is_refused_clearly(monkeypatch):
         ModelRunner(TINY, random_params(TINY), quantization="int8", page_size=8,
                     num_pages=8, max_context=64, decode_buckets=(1,), prefill_buckets=(16,),
                     max_prefill_seqs=1)
+
+
+def test_auto_serves_f32_where_only_the_portable_build_runs(monkeypatch):
+    """x86 without AVX2: the portable loops are right but far slower than XLA's f32, so
+    "auto" keeps f32 weights, an f32 pool and the LoRA delta in jnp; int8 asked for
+    explicitly still runs."""
+    from model import adapter_slots
+    from pallas_kernels.cpu import CpuBackend
+
+    monkeypatch.setattr(native, "available", lambda: (True, "portable"))
+    assert not native.fast()[0] and "portable" in native.fast()[1]
+    kw = dict(page_size=8, num_pages=8, max_context=64, decode_buckets=(1,),
+              prefill_buckets=(16,), max_prefill_seqs=1)
+    r = ModelRunner(TINY, random_params(TINY), quantization="auto", **kw)
+    assert r.quantization == "none" and r.kv_storage == jnp.float32
+    assert not adapter_slots.native_available()
+    assert not CpuBackend(r.pool).native
+    assert ModelRunner(TINY, random_params(TINY), quantization="int8", **kw).quantization \
+        == "int8"
+    monkeypatch.setattr(native, "available", lambda: (True, "avx2"))
+    assert native.fast() == (True, "avx2")
 
 
 def test_linear_passes_float_weights_through():
