@@ -30,7 +30,7 @@
 // tokens (b_chunk). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
 // tokens for A, blocks of 16 columns for B.
 //
-// (About 360 lines: both phases in their AVX-512 and portable forms, the transpositions,
+// (About 400 lines: both phases in their AVX-512, AVX2 and portable forms, the transpositions,
 // the prefetching and the entry point read one packing and change together.)
 
 #include <immintrin.h>
@@ -100,6 +100,29 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
       for (int q = 0; q < nt; ++q)
         for (int i = 0; i < kRows && r0 + i < r_n; ++i)
           hq[q][j * rp + r0 + i] = _mm512_reduce_add_ps(acc[i][q]);
+#elif defined(SLUICE_AVX2)
+      // 8 lanes: two rows x kTok tokens at a time (16 registers); a K past the last
+      // multiple of 8 is summed one by one after the lanes.
+      const int64_t k8 = k - k % 8;
+      for (int i0 = 0; i0 < kRows && r0 + i0 < r_n; i0 += 2) {
+        __m256 acc[2][kTok];
+        for (int i = 0; i < 2; ++i)
+          for (int q = 0; q < kTok; ++q) acc[i][q] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < k8; c += 8) {
+          __m256 xv[kTok];
+          for (int q = 0; q < kTok; ++q) xv[q] = _mm256_loadu_ps(xs[q] + c);
+          for (int i = 0; i < 2; ++i) {
+            const __m256 av = sluice::widen8(rows[i0 + i] + c);
+            for (int q = 0; q < kTok; ++q) acc[i][q] = _mm256_fmadd_ps(av, xv[q], acc[i][q]);
+          }
+        }
+        for (int q = 0; q < nt; ++q)
+          for (int i = 0; i < 2 && r0 + i0 + i < r_n; ++i) {
+            float v = sluice::sum8(acc[i][q]);
+            for (int64_t c = k8; c < k; ++c) v += sluice::widen1(rows[i0 + i] + c) * xs[q][c];
+            hq[q][j * rp + r0 + i0 + i] = v;
+          }
+      }
 #else
       for (int q = 0; q < nt; ++q)
         for (int i = 0; i < kRows && r0 + i < r_n; ++i) {
@@ -175,6 +198,22 @@ void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t
       _mm512_mask_storeu_ps(p, wm, _mm512_add_ps(_mm512_maskz_loadu_ps(wm, p),
                                                  tile[toks[i]]));
     }
+  }
+#elif defined(SLUICE_AVX2)
+  for (int i = 0; i < cnt; ++i) {  // a token's 16 columns in two vectors, rank row by row
+    const int64_t ti = c0 + toks[i];
+    const W* bs = blk + slots[ti] * slot_stride;
+    const float* hm = h + ti * h_stride + j * rp;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t r = 0; r < r_n; ++r) {
+      const __m256 hv = _mm256_set1_ps(hm[r]);
+      a0 = _mm256_fmadd_ps(hv, sluice::widen8(bs + r * kCols), a0);
+      a1 = _mm256_fmadd_ps(hv, sluice::widen8(bs + r * kCols + 8), a1);
+    }
+    alignas(32) float row[kCols];
+    _mm256_store_ps(row, a0);
+    _mm256_store_ps(row + 8, a1);
+    for (int64_t c = 0; c < w; ++c) out[fm ? (o0 + c) * t + ti : ti * n + o0 + c] += row[c];
   }
 #else
   for (int i = 0; i < cnt; ++i) {
