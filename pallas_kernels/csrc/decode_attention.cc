@@ -20,7 +20,7 @@
 //   m, l    f32 [S, KVH, G], acc f32 [S, KVH, G, D]: the prefix's partial softmax (max,
 //           sum, weighted values; m = -1e30, l = 0, acc = 0 for none);
 //   out     f32 [S, KVH, G, D]: attention output, acc / l after the own keys.
-// D must be a multiple of 16.
+// D must be a multiple of 16. AVX-512, AVX2 and portable forms of one walk.
 
 #include <immintrin.h>
 

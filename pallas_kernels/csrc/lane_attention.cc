@@ -15,6 +15,7 @@
 // products run on tiles instead (`walk_amx`): scores K Q^T and values P^T V in bf16 with
 // f32 sums, the queries and the softmax weights rounded to bf16 as a GPU's flash
 // attention does; the softmax stays in vectors. An f32 pool keeps the exact vector path.
+// Without AVX-512, the AVX2 form (`walk8`) lays the lanes across vectors of 8.
 //
 // sluice_prefill_attention
 //   q       f32 [S, NQ, KVH, G, D]: a block of NQ queries per row, pre-scaled by
@@ -38,7 +39,7 @@
 //           sluice_decode_attention to continue over the row's own pages.
 // D must be a multiple of 16 and at most 256.
 //
-// (About 700 lines: one walk, its AMX, AVX-512 and portable forms, the splitting and
+// (About 840 lines: one walk, its AMX, AVX-512, AVX2 and portable forms, the splitting and
 // merging of long walks, and the two entry points that build its tasks; they change
 // together.)
 

@@ -37,8 +37,14 @@
 // K must be a multiple of 32. Work is split over XLA's intra-op thread pool by column
 // ranges; the calling thread works too and waits for the rest.
 //
-// (About 450 lines: the AMX, AVX-512 and portable paths compute one definition from one
-// packing behind one entry point; they stay in one file so that they change together.)
+// Where the CPU has AVX2 and FMA but no AVX-512 (AMD before Zen 4, older Intel, many
+// cloud machines), the same weights multiply in f32 FMAs on 8 lanes, without bf16's
+// rounding (see the AVX2 section). Without AVX2, a portable loop computes it
+// one product at a time: correct, but slower than XLA's f32, so "auto" settings do not
+// choose int8 there (native.py, `fast`).
+//
+// (About 570 lines: the AMX, AVX-512, AVX2 and portable paths compute one definition from
+// one packing behind one entry point; they stay in one file so that they change together.)
 
 #include <immintrin.h>
 
@@ -49,6 +55,7 @@
 
 #include "amx.h"
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -322,35 +329,24 @@ void to_bf16(const float* src, int64_t count, uint16_t* dst) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SLUICE_Q8_AVX2 1
 // AVX2 + FMA (no AVX-512: AMD before Zen 4, Intel before Skylake-SP, many cloud CPUs).
-// The same definition in f32 FMAs on 8 lanes: a block's weights are dequantized
-// ((u - 128) * s, rounded to bf16 as the other paths round them) and the activations
-// come rounded to bf16 too, widened to f32 once a call (`round_bf16`). A column's 8 lane
-// sums run over blocks and their four quarters in one order whatever the rows, then
-// `sum8` adds the lanes in one order: a row's result does not depend on its batch.
+// There is no bf16 dot here, so nothing is rounded to bf16: a block's weights are
+// dequantized exactly as the other paths dequantize them (u * s - 128 s in one FMA, before
+// their rounding) and multiplied with the f32 activations in f32 FMAs on 8 lanes: the
+// int8 weights' definition, without bf16's rounding of either side (closer to f32; the
+// rounding cost as much as the products on one row). A column's 8 lane sums run over
+// blocks and their four quarters in one order whatever the rows, then `sum8` (simd.h)
+// adds the lanes in one order: a row's result does not depend on its batch.
 
-// v rounded to bf16 (nearest even), kept as f32: the bits the AVX-512 path would use.
-inline __m256 bf16_round8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(~0xffff)));
-}
-
-// Quarter q (values 8q..8q+7) of the block at wr with scale s, dequantized.
-inline __m256 dequantize8(const uint8_t* wr, int q, __m256 s) {
+// Quarter q (values 8q..8q+7) of the block at wr with scale s (bias = -128 s), dequantized.
+inline __m256 dequantize8(const uint8_t* wr, int q, __m256 s, __m256 bias) {
   const __m128i u = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + 8 * q));
-  const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(u), _mm256_set1_epi32(128));
-  return bf16_round8(_mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u)), s, bias);
 }
 
-inline float sum8(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
+using sluice::sum8;
 
 // Rows [m0, m0 + MT) by columns j0..j0 + NT of one group, dequantizing as it goes
-// (few rows: reading the weights is the cost). x: f32 [T, K], already bf16-rounded.
+// (few rows: reading the weights is the cost). x: f32 [T, K].
 template <int MT, int NT>
 inline void tile8(const uint8_t* wg, const float* sg, int j0, const float* x, int64_t k,
                   int64_t m0, int64_t n0, const Out& out) {
@@ -361,11 +357,14 @@ inline void tile8(const uint8_t* wg, const float* sg, int j0, const float* x, in
   for (int64_t b = 0; b < kb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(wg + ((b + kAhead) * kGroup + j0) * kBlock),
                  _MM_HINT_T0);
-    __m256 s[NT];
-    for (int j = 0; j < NT; ++j) s[j] = _mm256_set1_ps(sg[b * kGroup + j0 + j]);
+    __m256 s[NT], bias[NT];
+    for (int j = 0; j < NT; ++j) {
+      s[j] = _mm256_set1_ps(sg[b * kGroup + j0 + j]);
+      bias[j] = _mm256_mul_ps(s[j], _mm256_set1_ps(-128.f));
+    }
     for (int q = 0; q < 4; ++q) {
       __m256 w[NT];
-      for (int j = 0; j < NT; ++j) w[j] = dequantize8(wg + (b * kGroup + j0 + j) * kBlock, q, s[j]);
+      for (int j = 0; j < NT; ++j) w[j] = dequantize8(wg + (b * kGroup + j0 + j) * kBlock, q, s[j], bias[j]);
       for (int i = 0; i < MT; ++i) {
         const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * k + b * kBlock + 8 * q);
         for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
@@ -418,9 +417,9 @@ void group(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_
   thread_local std::vector<float> wb;
   wb.resize(kb * kGroup * kBlock);
   for (int64_t i = 0; i < kb * kGroup; ++i) {  // block b, column j: i = b * 16 + j
-    const __m256 s = _mm256_set1_ps(sg[i]);
+    const __m256 s = _mm256_set1_ps(sg[i]), bias = _mm256_mul_ps(s, _mm256_set1_ps(-128.f));
     for (int q = 0; q < 4; ++q)
-      _mm256_storeu_ps(wb.data() + i * kBlock + 8 * q, dequantize8(wg + i * kBlock, q, s));
+      _mm256_storeu_ps(wb.data() + i * kBlock + 8 * q, dequantize8(wg + i * kBlock, q, s, bias));
   }
   int64_t m = 0;
   for (; m + 3 <= t; m += 3)
@@ -434,13 +433,6 @@ void group(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_
   }
 }
 
-// The activations rounded to bf16, kept as f32.
-void round_bf16(const float* src, int64_t count, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8)
-    _mm256_storeu_ps(dst + i, bf16_round8(_mm256_loadu_ps(src + i)));
-  for (; i < count; ++i) dst[i] = bf16_value(bf16_bits(src[i]));
-}
 #else
 // Portable fallback (no AVX2): the same arithmetic, one product at a time.
 void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int64_t t,
@@ -513,10 +505,7 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     xf = transposed.data();
   }
 #ifdef SLUICE_Q8_AVX2
-  thread_local std::vector<float> xr;
-  xr.resize(t * k);
-  round_bf16(xf, t * k, xr.data());
-  const float* xt = xr.data();
+  const float* xt = xf;  // f32 as it is
 #else
   xb.resize(t * k);
   to_bf16(xf, t * k, xb.data());
