@@ -8,9 +8,11 @@ backend's attention (pallas_kernels/cpu.py).
 They are compiled on this machine the first time a runner asks for them (~10 s with g++;
 `make install` builds it ahead, `python -m pallas_kernels.native`), for this CPU
 (`-march=native`: AMX tiles where the CPU has them and the OS grants them, the AVX-512
-path where the CPU has AVX-512 BF16, a portable loop otherwise), and kept in `$SLUICE_CACHE/native/` (default ~/.cache/sluice) under a key of
-the source, the compiler, the flags, jaxlib's version and the CPU's feature flags, so a
-changed source, toolchain or machine builds anew and nothing stale is ever loaded. The
+path where the CPU has AVX-512 BF16, AVX2 + FMA forms on CPUs without AVX-512, a
+portable loop otherwise), and kept in `$SLUICE_CACHE/native/` (default ~/.cache/sluice)
+under a key of the source, the compiler, the flags, jaxlib's version and the CPU's
+feature flags, so a changed source, toolchain or machine builds anew and nothing stale is
+ever loaded. The
 FFI targets are registered once per process (`sluice_q8_linear`,
 `sluice_decode_attention`, `sluice_prefix_attention`, `sluice_prefill_attention`,
 `sluice_lora_delta`).
