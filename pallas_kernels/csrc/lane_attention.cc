@@ -122,6 +122,41 @@ inline int64_t chunk_at(const Pool& P, const int32_t* table, int64_t h, int64_t 
   return ((page * P.ps + off) * P.kvh + h) * P.d;
 }
 
+// The chunk's key and value rows for a walk (kChunk of them: keys past n repeat the last,
+// scored and unused): in place in an f32 pool, else the widened copies kw and vw.
+template <typename T, int W>
+inline void chunk_rows(const Pool& P, int64_t at, int64_t n, const float (*kw)[W],
+                       const float (*vw)[W], const float** kp, const float** vp) {
+  const int64_t rs = P.kvh * P.d;
+  for (int i = 0; i < kChunk; ++i) {
+    const int64_t r = std::min<int64_t>(i, n - 1);
+    if constexpr (sizeof(T) == 2) {
+      kp[i] = kw[r];
+      vp[i] = vw[r];
+    } else {
+      kp[i] = static_cast<const float*>(P.k) + at + r * rs;
+      vp[i] = static_cast<const float*>(P.v) + at + r * rs;
+    }
+  }
+}
+
+// The chunk at key t (before t1) on its way to the cache, a line at a time, while the
+// walk computes the one before it.
+template <typename T>
+inline void prefetch_chunk(const Pool& P, const int32_t* table, int64_t h, int64_t t,
+                           int64_t t1) {
+  if (t >= t1) return;
+  int64_t n;
+  const int64_t at = chunk_at(P, table, h, t, t1, &n), rs = P.kvh * P.d;
+  const T* k = static_cast<const T*>(P.k) + at;
+  const T* v = static_cast<const T*>(P.v) + at;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < P.d; c += 64 / sizeof(T)) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + i * rs + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + i * rs + c), _MM_HINT_T0);
+    }
+}
+
 #ifdef __AVX512F__
 // The lanes' positions and running softmax (max, sum) in and out of registers.
 template <int NV>
@@ -205,25 +240,9 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
           _mm512_store_ps(kw[i] + c, sluice::widen16(kpool + at + i * rs + c));
           _mm512_store_ps(vw[i] + c, sluice::widen16(vpool + at + i * rs + c));
         }
-      for (int i = 0; i < kChunk; ++i) {  // keys past n repeat the last (scored, unused)
-        kp[i] = kw[std::min<int64_t>(i, n - 1)];
-        vp[i] = vw[std::min<int64_t>(i, n - 1)];
-      }
-    } else {
-      for (int i = 0; i < kChunk; ++i) {
-        kp[i] = kpool + at + std::min<int64_t>(i, n - 1) * rs;
-        vp[i] = vpool + at + std::min<int64_t>(i, n - 1) * rs;
-      }
     }
-    if (t + n < t1) {  // the next chunk on its way while this one is computed
-      int64_t nj;
-      const int64_t atj = chunk_at(P, table, h, t + n, t1, &nj);
-      for (int64_t i = 0; i < nj; ++i)
-        for (int64_t c = 0; c < d; c += 64 / sizeof(T)) {  // a cache line at a time
-          _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i * rs + c), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i * rs + c), _MM_HINT_T0);
-        }
-    }
+    chunk_rows<T>(P, at, n, kw, vw, kp, vp);
+    prefetch_chunk<T>(P, table, h, t + n, t1);
     for (int i = 0; i < n; i += kKeys) {
       __m512 a[NV][kKeys];
       for (int v = 0; v < NV; ++v)
@@ -328,25 +347,9 @@ void walk8(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t
           _mm256_store_ps(kw[i] + c, sluice::widen8(kpool + at + i * rs + c));
           _mm256_store_ps(vw[i] + c, sluice::widen8(vpool + at + i * rs + c));
         }
-      for (int i = 0; i < kChunk; ++i) {
-        kp[i] = kw[std::min<int64_t>(i, n - 1)];
-        vp[i] = vw[std::min<int64_t>(i, n - 1)];
-      }
-    } else {
-      for (int i = 0; i < kChunk; ++i) {
-        kp[i] = reinterpret_cast<const float*>(kpool) + at + std::min<int64_t>(i, n - 1) * rs;
-        vp[i] = reinterpret_cast<const float*>(vpool) + at + std::min<int64_t>(i, n - 1) * rs;
-      }
     }
-    if (t + n < t1) {  // the next chunk on its way while this one is computed
-      int64_t nj;
-      const int64_t atj = chunk_at(P, table, h, t + n, t1, &nj);
-      for (int64_t i = 0; i < nj; ++i)
-        for (int64_t c = 0; c < d; c += 64 / sizeof(T)) {
-          _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i * rs + c), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i * rs + c), _MM_HINT_T0);
-        }
-    }
+    chunk_rows<T>(P, at, n, kw, vw, kp, vp);
+    prefetch_chunk<T>(P, table, h, t + n, t1);
     for (int v = 0; v < nv; v += 2) {
       if (v + 1 < nv) scores8<2>(L, kp, n, d, v, s);
       else scores8<1>(L, kp, n, d, v, s);

@@ -62,6 +62,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The AVX-512 path multiplies in bf16 dots: AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire
+// Rapids on). Skylake-SP, Cascade Lake and Ice Lake have AVX-512 without it: they take
+// the AVX2 path.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define SLUICE_Q8_AVX512 1
+#endif
+
 constexpr int64_t kBlock = 32;  // values per scale
 constexpr int64_t kGroup = 16;  // columns packed together
 constexpr int64_t kSub = 4;     // columns of a register tile (AVX-512 paths)
@@ -91,7 +98,7 @@ struct Out {
   }
 };
 
-#ifdef __AVX512F__
+#ifdef SLUICE_Q8_AVX512
 // Rows [m0, m0 + MT) by columns j0..j0 + NT of the group of 4 whose packed weights start
 // at wg (scales at sg); x is bf16 [T, K]; the group's first column is n0.
 template <int MT, int NT>
@@ -534,14 +541,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Linear, Q8LinearImpl,
 
 // 1 when built with the AVX-512 path, 0 for the portable one.
 extern "C" int sluice_q8_avx512() {
-#ifdef __AVX512F__
+#ifdef SLUICE_Q8_AVX512
   return 1;
 #else
   return 0;
 #endif
 }
 
-// 1 when built with the AVX2 path (no AVX-512), else 0.
+// 1 when built with the AVX2 path (no AVX-512 BF16), else 0.
 extern "C" int sluice_q8_avx2() {
 #ifdef SLUICE_Q8_AVX2
   return 1;

@@ -90,8 +90,9 @@ inline void transpose16(__m512* r) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The AVX2 forms (CPUs without AVX-512): 8 lanes.
+#if defined(__AVX2__) && defined(__FMA__)
+// The AVX2 forms: 8 lanes. The attention and LoRA kernels take them where the CPU has no
+// AVX-512 (their AVX-512 forms come first), the int8 matmul where it has no AVX-512 BF16.
 #define SLUICE_AVX2 1
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const uint16_t* p) {
