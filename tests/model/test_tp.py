@@ -35,10 +35,15 @@ def check_degrees(rows: list[dict], pool_heads: int) -> None:
     for r in rows[1:]:
         # The same greedy tokens for every request of the mixed batch...
         assert r["tokens"] == one["tokens"], r["tp"]
-        # ... and logits within 1e-4 (f32) at the first steps (prefill, then decode).
+        # ... and logits within f32's reordering of the sums at the first steps (prefill,
+        # then decode): 1e-5 of the largest logit, at least 1e-4. (SmolLM2's logits reach
+        # ~31; XLA:CPU's AVX2 code for a 2-core AMD EPYC gave 1.28e-4 at tp = 4, its
+        # AVX-512 code under 1e-4.)
         for step in range(2):
-            diff = np.abs(np.asarray(r["logits"][step]) - np.asarray(one["logits"][step]))
-            assert diff.max() < 1e-4, (r["tp"], step, diff.max())
+            want = np.asarray(one["logits"][step])
+            diff = np.abs(np.asarray(r["logits"][step]) - want)
+            assert diff.max() < 1e-5 * max(np.abs(want).max(), 10.0), (r["tp"], step,
+                                                                        diff.max())
         # The compiled steps all-reduce (after o and down) and never gather: the KV pool
         # stays split by head, each device holding only its own heads' pages.
         assert r["all_reduce"] >= 2 and r["all_gather"] == 0, r
