@@ -21,12 +21,22 @@
 //           sum, weighted values; m = -1e30, l = 0, acc = 0 for none);
 //   out     f32 [S, KVH, G, D]: attention output, acc / l after the own keys.
 // D must be a multiple of 16. AVX-512, AVX2 and portable forms of one walk.
+//
+// Work items are spans of a row's keys (at most kSpan), each walked for all the row's KV
+// heads at once, so that pages are read whole and in order and one long row is shared by
+// the threads; a row's spans are merged at the end. 2k own keys of one row took 15.7 ms
+// for 30 layers walked per (row, head) with the group size read at run time, 6.2 ms now
+// (2 cores, AVX2; docs/benchmarks.md).
+//
+// (About 360 lines: the walk's AVX-512, AVX2 and portable forms of one chunk, the span
+// walk, and the entry point that splits and merges spans; they change together.)
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "parallel.h"
 #include "simd.h"
@@ -47,189 +57,198 @@ constexpr int kChunk = 16;  // keys scored together
 
 struct Args {
   const float *q, *m0, *l0, *acc0;
-  const void *k, *v;  // the pool: float, or uint16_t holding bf16 bits (row_head's T)
+  const void *k, *v;  // the pool: float, or uint16_t holding bf16 bits (walk_span's T)
   const int32_t *tables, *start, *ctx;
   float* out;
   int64_t kvh, g, d, ps, w, offset, pages;
 };
 
-// Row r, KV head h: the online softmax over keys [start, ctx) on top of the prefix's.
-// G: the query heads per KV head when known at compile time (0: a.g at run time). Known,
+// One chunk of n keys (kp, vp: where each lies) for the G query heads (q [G][D]) of one
+// KV head: scores, the online softmax's update of m, l [G] and acc [G][D].
+// G: the query heads per KV head when known at compile time (0: g at run time). Known,
 // the heads' dot products and value sums stay in registers; with a run-time count they
 // went through memory a product at a time and the walk ran 2-2.5x slower.
 template <typename T, int G>
-void row_head(const Args& a, int64_t r, int64_t h) {
+inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, int64_t n,
+                       int64_t g_run, int64_t d, float* m, float* l, float* acc) {
+  const int64_t g = G ? G : g_run;
+  alignas(64) float s[kMaxG][kChunk];
+#ifdef __AVX512F__
+  for (int i = 0; i < n; ++i) {  // scores: q . k for every head of the group
+    __m512 dot[kMaxG];
+    for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 kv = sluice::widen16(kp[i] + c);
+      for (int64_t j = 0; j < g; ++j)
+        dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c), kv, dot[j]);
+    }
+    for (int64_t j = 0; j < g; ++j) s[j][i] = _mm512_reduce_add_ps(dot[j]);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  alignas(64) float p[kMaxG][kChunk];
+  float corr[kMaxG];
+  for (int64_t j = 0; j < g; ++j) {
+    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), valid, s[j]);
+    const float m_new = std::max(m[j], _mm512_reduce_max_ps(sv));
+    const __m512 pv = _mm512_maskz_mov_ps(
+        valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+    _mm512_store_ps(p[j], pv);
+    corr[j] = std::exp(m[j] - m_new);
+    l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(pv);
+    m[j] = m_new;
+  }
+  for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
+    // at a time: two sums a head in flight
+    __m512 av[kMaxG];
+    for (int64_t j = 0; j < g; ++j)
+      av[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + c), _mm512_set1_ps(corr[j]));
+    for (int i = 0; i < n; ++i) {
+      const __m512 vv = sluice::widen16(vp[i] + c);
+      for (int64_t j = 0; j < g; ++j)
+        av[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][i]), vv, av[j]);
+    }
+    for (int64_t j = 0; j < g; ++j) _mm512_storeu_ps(acc + j * d + c, av[j]);
+  }
+#elif defined(SLUICE_AVX2)
+  for (int i = 0; i < n; ++i) {  // the same on 8 lanes
+    __m256 dot[kMaxG];
+    for (int64_t j = 0; j < g; ++j) dot[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 kv = sluice::widen8(kp[i] + c);
+      for (int64_t j = 0; j < g; ++j)
+        dot[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), kv, dot[j]);
+    }
+    for (int64_t j = 0; j < g; ++j) s[j][i] = sluice::sum8(dot[j]);
+  }
+  alignas(64) float p[kMaxG][kChunk];
+  float corr[kMaxG];
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j = 0; j < g; ++j) {
+    float m_new = m[j];
+    for (int i = 0; i < n; ++i) m_new = std::max(m_new, s[j][i]);
+    __m256 sum = _mm256_setzero_ps();
+    for (int h = 0; h < kChunk; h += 8) {  // keys past n weigh 0
+      const __m256 valid = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - h)), index));
+      const __m256 pv = _mm256_and_ps(
+          valid, sluice::exp8(_mm256_sub_ps(_mm256_load_ps(s[j] + h), _mm256_set1_ps(m_new))));
+      _mm256_store_ps(p[j] + h, pv);
+      sum = _mm256_add_ps(sum, pv);
+    }
+    corr[j] = std::exp(m[j] - m_new);
+    l[j] = l[j] * corr[j] + sluice::sum8(sum);
+    m[j] = m_new;
+  }
+  for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
+    // at a time: two sums a head in flight
+    __m256 av[kMaxG], aw[kMaxG];
+    for (int64_t j = 0; j < g; ++j) {
+      av[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + j * d + c), _mm256_set1_ps(corr[j]));
+      aw[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + j * d + c + 8), _mm256_set1_ps(corr[j]));
+    }
+    for (int i = 0; i < n; ++i) {
+      const __m256 vv = sluice::widen8(vp[i] + c), vw = sluice::widen8(vp[i] + c + 8);
+      for (int64_t j = 0; j < g; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j][i]);
+        av[j] = _mm256_fmadd_ps(pj, vv, av[j]);
+        aw[j] = _mm256_fmadd_ps(pj, vw, aw[j]);
+      }
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      _mm256_storeu_ps(acc + j * d + c, av[j]);
+      _mm256_storeu_ps(acc + j * d + c + 8, aw[j]);
+    }
+  }
+#else
+  for (int i = 0; i < n; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      float dot = 0.f;
+      for (int64_t c = 0; c < d; ++c) dot += q[j * d + c] * sluice::widen1(kp[i] + c);
+      s[j][i] = dot;
+    }
+  for (int64_t j = 0; j < g; ++j) {
+    float m_new = m[j];
+    for (int i = 0; i < n; ++i) m_new = std::max(m_new, s[j][i]);
+    const float corr = std::exp(m[j] - m_new);
+    l[j] *= corr;
+    for (int64_t c = 0; c < d; ++c) acc[j * d + c] *= corr;
+    for (int i = 0; i < n; ++i) {
+      const float p = std::exp(s[j][i] - m_new);
+      l[j] += p;
+      for (int64_t c = 0; c < d; ++c) acc[j * d + c] += p * sluice::widen1(vp[i] + c);
+    }
+    m[j] = m_new;
+  }
+#endif
+}
+
+// One span of a row's own keys, [t0, t1), for all its KV heads: m, l [KVH][G] and acc
+// [KVH][G][D] hold the softmax so far (the prefix's for the row's first span, empty for
+// the others). A chunk of keys is read once for every head: a token's keys and values
+// for all heads lie side by side (KVH x D), so the walk reads whole pages in order,
+// which the hardware prefetcher follows (a walk per head read a third of every token's
+// bytes, strided, at under 4 GB/s for one row).
+template <typename T, int G>
+void walk_span(const Args& a, int64_t r, int64_t t0, int64_t t1, float* m, float* l,
+               float* acc) {
   const T* kpool = static_cast<const T*>(a.k);
   const T* vpool = static_cast<const T*>(a.v);
-  const int64_t g = G ? G : a.g, d = a.d;
-  const int64_t base = (r * a.kvh + h) * g;  // index of (r, h, 0)
-  float m[kMaxG], l[kMaxG];
-  alignas(64) float acc[kMaxG][kMaxD];
-  for (int64_t j = 0; j < g; ++j) {
-    m[j] = a.m0[base + j];
-    l[j] = a.l0[base + j];
-    for (int64_t i = 0; i < d; ++i) acc[j][i] = a.acc0[(base + j) * d + i];
-  }
-  const float* q = a.q + base * d;
+  const int64_t g = G ? G : a.g, d = a.d, kvh = a.kvh;
   const int32_t* table = a.tables + r * a.w;
-  const int64_t end = std::min<int64_t>(a.ctx[r], a.w * a.ps);  // never past the table
-  const int64_t row_stride = a.kvh * d;  // floats between consecutive tokens of a page
-  alignas(64) float s[kMaxG][kChunk];
-  const T* kp[kChunk];
-  const T* vp[kChunk];
-  for (int64_t t0 = a.start[r], n = 0; t0 < end; t0 += n) {
-    // A chunk: up to kChunk keys of one page, found with one division.
-    const int64_t pi = t0 / a.ps, off = t0 - pi * a.ps;
-    n = std::min<int64_t>(std::min<int64_t>(kChunk, end - t0), a.ps - off);
+  const int64_t row_stride = kvh * d;  // elements between consecutive tokens of a page
+  auto chunk_at = [&](int64_t t, int64_t* n) {  // up to kChunk keys of one page
+    const int64_t pi = t / a.ps, off = t - pi * a.ps;
+    *n = std::min<int64_t>(std::min<int64_t>(kChunk, t1 - t), a.ps - off);
     const int64_t page = std::min<int64_t>(std::max<int32_t>(table[pi], 0),
                                            a.pages - 1 - a.offset) + a.offset;
-    const int64_t at = ((page * a.ps + off) * a.kvh + h) * d;
-    for (int i = 0; i < n; ++i) {  // where each key and value lies
-      kp[i] = kpool + at + i * row_stride;
-      vp[i] = vpool + at + i * row_stride;
-    }
-    {  // the next chunk's keys and values on their way while this one is computed
-      const int64_t t1 = t0 + n;
-      if (t1 < end) {
-        const int64_t pj = t1 / a.ps, offj = t1 - pj * a.ps;
-        const int64_t nj = std::min<int64_t>(std::min<int64_t>(kChunk, end - t1), a.ps - offj);
-        const int64_t pagej = std::min<int64_t>(std::max<int32_t>(table[pj], 0),
-                                                a.pages - 1 - a.offset) + a.offset;
-        const int64_t atj = ((pagej * a.ps + offj) * a.kvh + h) * d;
-        for (int64_t i = 0; i < nj; ++i)
-          for (int64_t c = 0; c < d; c += 64 / sizeof(T)) {  // a cache line at a time
-            _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i * row_stride + c),
-                         _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i * row_stride + c),
-                         _MM_HINT_T0);
-          }
-      }
-    }
-#ifdef __AVX512F__
-    for (int i = 0; i < n; ++i) {  // scores: q . k for every head of the group
-      __m512 dot[kMaxG];
-      for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += 16) {
-        const __m512 kv = sluice::widen16(kp[i] + c);
-        for (int64_t j = 0; j < g; ++j)
-          dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c), kv, dot[j]);
-      }
-      for (int64_t j = 0; j < g; ++j) s[j][i] = _mm512_reduce_add_ps(dot[j]);
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    alignas(64) float p[kMaxG][kChunk];
-    float corr[kMaxG];
-    for (int64_t j = 0; j < g; ++j) {
-      const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), valid, s[j]);
-      const float m_new = std::max(m[j], _mm512_reduce_max_ps(sv));
-      const __m512 pv = _mm512_maskz_mov_ps(
-          valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-      _mm512_store_ps(p[j], pv);
-      corr[j] = std::exp(m[j] - m_new);
-      l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(pv);
-      m[j] = m_new;
-    }
-    for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
-      // at a time: two sums a head in flight
-      __m512 av[kMaxG];
-      for (int64_t j = 0; j < g; ++j)
-        av[j] = _mm512_mul_ps(_mm512_load_ps(acc[j] + c), _mm512_set1_ps(corr[j]));
-      for (int i = 0; i < n; ++i) {
-        const __m512 vv = sluice::widen16(vp[i] + c);
-        for (int64_t j = 0; j < g; ++j)
-          av[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j][i]), vv, av[j]);
-      }
-      for (int64_t j = 0; j < g; ++j) _mm512_store_ps(acc[j] + c, av[j]);
-    }
-#elif defined(SLUICE_AVX2)
-    for (int i = 0; i < n; ++i) {  // the same on 8 lanes
-      __m256 dot[kMaxG];
-      for (int64_t j = 0; j < g; ++j) dot[j] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 kv = sluice::widen8(kp[i] + c);
-        for (int64_t j = 0; j < g; ++j)
-          dot[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), kv, dot[j]);
-      }
-      for (int64_t j = 0; j < g; ++j) s[j][i] = sluice::sum8(dot[j]);
-    }
-    alignas(64) float p[kMaxG][kChunk];
-    float corr[kMaxG];
-    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t j = 0; j < g; ++j) {
-      float m_new = m[j];
-      for (int i = 0; i < n; ++i) m_new = std::max(m_new, s[j][i]);
-      __m256 sum = _mm256_setzero_ps();
-      for (int h = 0; h < kChunk; h += 8) {  // keys past n weigh 0
-        const __m256 valid = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - h)), index));
-        const __m256 pv = _mm256_and_ps(
-            valid, sluice::exp8(_mm256_sub_ps(_mm256_load_ps(s[j] + h), _mm256_set1_ps(m_new))));
-        _mm256_store_ps(p[j] + h, pv);
-        sum = _mm256_add_ps(sum, pv);
-      }
-      corr[j] = std::exp(m[j] - m_new);
-      l[j] = l[j] * corr[j] + sluice::sum8(sum);
-      m[j] = m_new;
-    }
-    for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
-      // at a time: two sums a head in flight
-      __m256 av[kMaxG], aw[kMaxG];
-      for (int64_t j = 0; j < g; ++j) {
-        av[j] = _mm256_mul_ps(_mm256_load_ps(acc[j] + c), _mm256_set1_ps(corr[j]));
-        aw[j] = _mm256_mul_ps(_mm256_load_ps(acc[j] + c + 8), _mm256_set1_ps(corr[j]));
+    return (page * a.ps + off) * row_stride;
+  };
+  const T* kp[kChunk];
+  const T* vp[kChunk];
+  for (int64_t t = t0, n = 0; t < t1; t += n) {
+    const int64_t at = chunk_at(t, &n);
+    // The next chunk's keys and values on their way, a KV head's share of its lines before
+    // each head's work (all at once, they overflowed the core's miss buffers).
+    int64_t nj = 0, atj = 0;
+    if (t + n < t1) atj = chunk_at(t + n, &nj);
+    const int64_t lines = nj * row_stride, step = 64 / sizeof(T);
+    for (int64_t h = 0; h < kvh; ++h) {
+      for (int64_t i = lines * h / kvh / step * step; i < lines * (h + 1) / kvh; i += step) {
+        _mm_prefetch(reinterpret_cast<const char*>(kpool + atj + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i), _MM_HINT_T0);
       }
       for (int i = 0; i < n; ++i) {
-        const __m256 vv = sluice::widen8(vp[i] + c), vw = sluice::widen8(vp[i] + c + 8);
-        for (int64_t j = 0; j < g; ++j) {
-          const __m256 pj = _mm256_set1_ps(p[j][i]);
-          av[j] = _mm256_fmadd_ps(pj, vv, av[j]);
-          aw[j] = _mm256_fmadd_ps(pj, vw, aw[j]);
-        }
+        kp[i] = kpool + at + i * row_stride + h * d;
+        vp[i] = vpool + at + i * row_stride + h * d;
       }
-      for (int64_t j = 0; j < g; ++j) {
-        _mm256_store_ps(acc[j] + c, av[j]);
-        _mm256_store_ps(acc[j] + c + 8, aw[j]);
-      }
+      head_chunk<T, G>(a.q + (r * kvh + h) * g * d, kp, vp, n, g, d, m + h * g, l + h * g,
+                       acc + h * g * d);
     }
-#else
-    for (int i = 0; i < n; ++i)
-      for (int64_t j = 0; j < g; ++j) {
-        float dot = 0.f;
-        for (int64_t c = 0; c < d; ++c) dot += q[j * d + c] * sluice::widen1(kp[i] + c);
-        s[j][i] = dot;
-      }
-    for (int64_t j = 0; j < g; ++j) {
-      float m_new = m[j];
-      for (int i = 0; i < n; ++i) m_new = std::max(m_new, s[j][i]);
-      const float corr = std::exp(m[j] - m_new);
-      l[j] *= corr;
-      for (int64_t c = 0; c < d; ++c) acc[j][c] *= corr;
-      for (int i = 0; i < n; ++i) {
-        const float p = std::exp(s[j][i] - m_new);
-        l[j] += p;
-        for (int64_t c = 0; c < d; ++c) acc[j][c] += p * sluice::widen1(vp[i] + c);
-      }
-      m[j] = m_new;
-    }
-#endif
-  }
-  for (int64_t j = 0; j < g; ++j) {
-    const float inv = l[j] == 0.f ? 1.f : 1.f / l[j];
-    for (int64_t i = 0; i < d; ++i) a.out[(base + j) * d + i] = acc[j][i] * inv;
   }
 }
 
-// row_head with the group size as a constant for the common ones (1-8: Llama, Mistral,
+// walk_span with the group size as a constant for the common ones (1-8: Llama, Mistral,
 // Qwen and SmolLM2 use 1, 3, 4, 7 or 8), else read at run time.
 template <typename T, int G = 8>
-void by_group(const Args& a, int64_t r, int64_t h) {
+void by_group(const Args& a, int64_t r, int64_t t0, int64_t t1, float* m, float* l,
+              float* acc) {
   if constexpr (G == 0) {
-    row_head<T, 0>(a, r, h);
+    walk_span<T, 0>(a, r, t0, t1, m, l, acc);
   } else {
-    if (a.g == G) row_head<T, G>(a, r, h);
-    else by_group<T, (G > 1 ? G - 1 : 0)>(a, r, h);
+    if (a.g == G) walk_span<T, G>(a, r, t0, t1, m, l, acc);
+    else by_group<T, (G > 1 ? G - 1 : 0)>(a, r, t0, t1, m, l, acc);
   }
 }
+
+// A row's own keys are walked in spans that end at multiples of kSpan (positions), each a
+// work item: one long row is shared by the threads, and a row's spans, hence its result,
+// do not depend on the other rows of the step. The spans' partial softmaxes are merged
+// in order once all are done.
+constexpr int64_t kSpan = 1024;
+
+struct Span {
+  int64_t r, t0, t1;
+};
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -268,10 +287,62 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.ctx = ctx.typed_data();
   a.out = out->typed_data();
   const bool bits = et == ffi::DataType::U16;
-  sluice::parallel_for(pool, rows * a.kvh, [&](int64_t i) {
-    if (bits) by_group<uint16_t>(a, i / a.kvh, i % a.kvh);
-    else by_group<float>(a, i / a.kvh, i % a.kvh);
+  const int64_t heads = a.kvh * a.g, hd = heads * a.d;  // per row: m, l [heads], acc [hd]
+  thread_local std::vector<Span> spans;
+  thread_local std::vector<int64_t> first;  // each row's first span
+  thread_local std::vector<float> state;    // per span: m [heads], l [heads], acc [hd]
+  spans.clear();
+  first.resize(rows + 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    first[r] = static_cast<int64_t>(spans.size());
+    const int64_t t0 = a.start[r], end = std::min<int64_t>(a.ctx[r], a.w * a.ps);
+    int64_t t = t0;
+    do {  // at least one span, maybe empty (the prefix's state as it is)
+      const int64_t t1 = std::max(t, std::min(end, (t / kSpan + 1) * kSpan));
+      spans.push_back({r, t, t1});
+      t = t1;
+    } while (t < end);
+  }
+  first[rows] = static_cast<int64_t>(spans.size());
+  const int64_t per = 2 * heads + hd;
+  state.resize(spans.size() * per);
+  float* st = state.data();
+  const Span* sp = spans.data();
+  const int64_t* fp = first.data();
+  sluice::parallel_for(pool, static_cast<int64_t>(spans.size()), [&](int64_t i) {
+    const Span& s = sp[i];
+    float *m = st + i * per, *l = m + heads, *acc = l + heads;
+    if (i == fp[s.r]) {  // the row's first span continues its prefix
+      std::copy_n(a.m0 + s.r * heads, heads, m);
+      std::copy_n(a.l0 + s.r * heads, heads, l);
+      std::copy_n(a.acc0 + s.r * hd, hd, acc);
+    } else {
+      std::fill_n(m, heads, -1e30f);
+      std::fill_n(l, heads, 0.f);
+      std::fill_n(acc, hd, 0.f);
+    }
+    if (bits) by_group<uint16_t>(a, s.r, s.t0, s.t1, m, l, acc);
+    else by_group<float>(a, s.r, s.t0, s.t1, m, l, acc);
   });
+  for (int64_t r = 0; r < rows; ++r) {  // merge each row's spans in order, normalize
+    float* o = a.out + r * hd;
+    for (int64_t j = 0; j < heads; ++j) {
+      float m = -1e30f;
+      for (int64_t i = fp[r]; i < fp[r + 1]; ++i) m = std::max(m, st[i * per + j]);
+      float l = 0.f;
+      float* oj = o + j * a.d;
+      std::fill_n(oj, a.d, 0.f);
+      for (int64_t i = fp[r]; i < fp[r + 1]; ++i) {
+        const float* si = st + i * per;
+        const float c = fp[r + 1] - fp[r] == 1 ? 1.f : std::exp(si[j] - m);
+        l += si[heads + j] * c;
+        const float* acc = si + 2 * heads + j * a.d;
+        for (int64_t e = 0; e < a.d; ++e) oj[e] += acc[e] * c;
+      }
+      const float inv = l == 0.f ? 1.f : 1.f / l;
+      for (int64_t e = 0; e < a.d; ++e) oj[e] *= inv;
+    }
+  }
   return ffi::Error::Success();
 }
 

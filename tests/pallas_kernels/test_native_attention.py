@@ -14,11 +14,11 @@ import pytest
 from pallas_kernels import native, paged_attention_dense
 
 
-def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8):
+def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8, g=3, ctx=()):
     """`bits`: the pools hold bf16 bit patterns (uint16), the reference reads the same
-    values widened to f32."""
+    values widened to f32. `ctx`: the first rows' context lengths (else random)."""
     rng = np.random.default_rng(seed)
-    kvh, g = 2, 3
+    kvh = 2
     pages = 3 + rows * (width - 2)
     pool = (pages, ps, kvh, d)
     k, v = (rng.standard_normal(pool).astype(np.float32) for _ in range(2))
@@ -28,7 +28,9 @@ def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8):
     tables = np.zeros((rows, width), np.int32)
     tables[:, :2] = ids[:2]  # every row starts with the same two pages (2 ps keys)
     tables[:, 2:] = ids[2:2 + rows * (width - 2)].reshape(rows, width - 2)
+    ctx_of = ctx
     ctx = rng.integers(2 * ps + queries, width * ps, rows).astype(np.int32)
+    ctx[:len(ctx_of)] = ctx_of
     ql = np.full(rows, queries, np.int32)
     ctx[-1] = ql[-1] = 0  # a padding row
     q = rng.standard_normal((rows, queries, kvh * g, d)).astype(np.float32)
@@ -64,6 +66,30 @@ def test_portable_prefix_then_own_pages_match_dense(portable, bits):
                                       target=dec)
         np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("g", [3, 9], ids=["group-of-3", "group-of-9-read-at-run-time"])
+def test_long_rows_walk_in_spans_merged_and_independent_of_their_batch(g):
+    """Rows of up to 2,500 keys: their own keys walked in spans of 1,024 positions shared
+    by the threads and merged (one row continuing a 16-key prefix, so that its first
+    span starts mid-span), as the dense reference; each row's result bit for bit what it
+    is alone (its spans do not depend on the other rows)."""
+    qg, k, v, tables, ctx, ql, ref = _case(4, 1, 5, True, d=64, ps=16, width=160, g=g,
+                                           ctx=[2500, 700, 1030])
+    shared = np.zeros((2, tables.shape[1]), np.int32)
+    shared[0, :1] = tables[0, :1]
+    rows_of = np.array([0, 0, 1, 0], np.int32)
+    start = np.array([0, 0, 16, 0], np.int32)
+    m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
+                                        np.array([16, 0], np.int32), rows_of)
+    out = np.asarray(native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l,
+                                             acc))
+    np.testing.assert_allclose(out.reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
+    for r in range(4):
+        one = slice(r, r + 1)
+        alone = native.decode_attention(qg[one, 0], k, v, 0, tables[one], start[one],
+                                        ctx[one], m[one], l[one], acc[one])
+        np.testing.assert_array_equal(np.asarray(alone)[0], out[r])
 
 
 def _bf16_close(out, ref):
