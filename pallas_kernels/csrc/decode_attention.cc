@@ -97,8 +97,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(pv);
     m[j] = m_new;
   }
-  for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
-    // at a time: two sums a head in flight
+  for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i
     __m512 av[kMaxG];
     for (int64_t j = 0; j < g; ++j)
       av[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + c), _mm512_set1_ps(corr[j]));
