@@ -57,8 +57,13 @@ class ReadyTimes:
         return ticket
 
     def close(self) -> None:
+        """Stop the thread once the steps already handed to it are computed, and wait for
+        that (a step or two): a daemon thread still inside `block_until_ready` when the
+        interpreter exits is ended by a forced unwind through C++ frames, and the process
+        aborted ("FATAL: exception not rethrown", exit -6) after a second SIGTERM."""
         if self._thread is not None:
             self._queue.put((None, None))
+            self._thread.join(timeout=30)
             self._thread = None
 
     def _run(self) -> None:
