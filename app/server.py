@@ -15,7 +15,6 @@ at once, without waiting out the grace; a third cancels everything.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import socket
@@ -86,10 +85,14 @@ def create_app(state: ServerState) -> QuartTrio:
         before the request body has arrived: the *next* request on it gets no answer at
         all. Answers given before the body is read (404/405 routing, 401, automatic
         OPTIONS) would hang clients that reuse connections. A body over the size limit
-        cannot be drained (413): that connection is closed instead.
+        cannot be drained (413): that connection is closed instead, and the answer says so
+        (`Connection: close`), or a client that reuses it races the close and gets no
+        answer to its next request.
         """
-        with contextlib.suppress(HTTPException):
+        try:
             await request.get_data(cache=False)
+        except HTTPException:
+            response.headers["Connection"] = "close"
         return response
 
     app.asgi_app = _CloseFlights(app.asgi_app)  # type: ignore[method-assign]

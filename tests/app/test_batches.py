@@ -243,10 +243,11 @@ async def test_limits_answer_with_a_clear_message(tmp_path):
     key = {"Authorization": "Bearer k"}
     async with serve(cfg) as srv, srv.client() as c:
         big = jsonl([chat_body(i) for i in range(40)])
-        err = assert_error(await c.post("/v1/files", headers=key, files={
-            "file": ("big.jsonl", big)}, data={"purpose": "batch"}), 413,
-            code="file_too_large")
+        r = await c.post("/v1/files", headers=key, files={"file": ("big.jsonl", big)},
+                         data={"purpose": "batch"})
+        err = assert_error(r, 413, code="file_too_large")
         assert "2000 bytes" in err["message"]
+        assert r.headers["connection"] == "close"  # (the next request takes a new one)
         six = {"requests": [chat_body(i) for i in range(6)]}
         err = assert_error(await c.post("/v1/batches", headers=key, json=six), 400,
                            code="too_many_requests")
