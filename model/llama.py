@@ -223,7 +223,12 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     lin = functools.partial(linear, feature_major=fm)  # an Int8Matrix: the native kernel
     rows = (lambda a, lo, hi: a[lo:hi].T) if fm else (lambda a, lo, hi: a[:, lo:hi])
     ax = 0 if fm else -1
-    x = params["embed"][b.tokens]  # [T, hidden]
+    # A bucket's padding rows (slot 0: the null page) stay exactly zero through every
+    # layer (their embedding and their attention output are zeroed; the norms, the
+    # projections without bias and the MLP keep a zero row at zero), so a kernel may skip
+    # them: the CPU's native int8 kernel multiplies only rows that are not all zero.
+    real = (b.slots != 0)[:, None]
+    x = jnp.where(real, params["embed"][b.tokens], 0)  # [T, hidden]
     if fm:
         x = x.T
     ang = b.positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
@@ -296,6 +301,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
             op = attention.attend(qp, k_pool, v_pool, i, b.prefill, attn_state)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
+        attn = jnp.where(real, attn, 0)  # (whatever a backend gives a padding row)
         x = _per_layer(weights["attn"], i, attn_out, x, attn.T if fm else attn, i)
         x = _per_layer(weights["mlp"], i, mlp, x, i)
         return (x, k_pool, v_pool), None
@@ -307,19 +313,20 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
 
 def head_logits(params, x, rows=None, *, cfg: ModelConfig, feature_major: bool = False):
     """Final norm and lm_head: logits [S, vocab] float32 of the tokens `rows` of the last
-    layer's residual stream `x` ([T, hidden], or [hidden, T] feature-major; None: all)."""
+    layer's residual stream `x` ([T, hidden], or [hidden, T] feature-major; None: all;
+    a row -1 takes a zero row, which the native kernel skips, and its logits are junk)."""
+    if rows is not None:
+        x = (jnp.where((rows >= 0)[None, :], x[:, rows], 0) if feature_major
+             else jnp.where((rows >= 0)[:, None], x[rows], 0))
     if "head_int8" in params:  # the native kernel (model/quant.py)
-        ax = 0 if feature_major else -1
-        xs = x if rows is None else (x[:, rows] if feature_major else x[rows])
-        hs = _rms_norm(xs, params["final_norm"], cfg.rms_norm_eps, ax)
+        hs = _rms_norm(x, params["final_norm"], cfg.rms_norm_eps, 0 if feature_major else -1)
         logits = linear(hs, params["head_int8"], feature_major=feature_major)
         logits = logits.T if feature_major else logits
     elif feature_major:  # [hidden, S] -> logits [S, vocab]
-        hs = _rms_norm(x if rows is None else x[:, rows], params["final_norm"],
-                       cfg.rms_norm_eps, 0)
+        hs = _rms_norm(x, params["final_norm"], cfg.rms_norm_eps, 0)
         logits = (params.get("lm_head", params["embed"]) @ hs).T
     else:
-        hs = _rms_norm(x if rows is None else x[rows], params["final_norm"], cfg.rms_norm_eps)
+        hs = _rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         if "lm_head" in params:
             logits = hs @ params["lm_head"]
         else:

@@ -34,7 +34,7 @@ class StepLayout:
     positions: np.ndarray  # [T] int32
     slots: np.ndarray  # [T] int32: page * page_size + offset; padding writes slot 0
     lora_slots: np.ndarray  # [T] int32: the adapter slot of each token's sequence (-1: none)
-    sample_idx: np.ndarray  # [sample_rows] int32: flat token whose logits each row takes
+    sample_idx: np.ndarray  # [sample_rows] int32: flat token whose logits each row takes (-1: none)
     prev_src: np.ndarray  # [T] int32: a pending token's row in the step before's samples; -1
     decode: GroupLayout
     prefill: GroupLayout
@@ -82,7 +82,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
     prev_src = np.full(t, -1, np.int32)
     decode = GroupLayout.empty(nd, pages_per_seq)
     prefill = GroupLayout.empty(blocks, pages_per_seq)
-    sample_idx = np.zeros(n_samples, np.int32)
+    sample_idx = np.full(n_samples, -1, np.int32)  # (unused rows: zero logits inputs)
     samples: list[SeqChunk] = []
     scored: list[tuple[SeqChunk, int]] = []
 

@@ -93,8 +93,17 @@ struct Out {
   float* p;
   int64_t sm, sn;  // strides of a row m and a column n
   int64_t n;       // columns (the packed weights may have up to 15 more, all zero)
+  const int64_t* rows = nullptr;  // row m of the product is out's row rows[m] (null: m)
+  const int64_t* zero = nullptr;  // out's rows left at zero (no product row), `zeros` many
+  int64_t zeros = 0;
+  int64_t at(int64_t m) const { return rows ? rows[m] : m; }
   void set(int64_t m, int64_t c, float v) const {
-    if (c < n) p[m * sm + c * sn] = v;
+    if (c < n) p[at(m) * sm + c * sn] = v;
+  }
+  // Columns [c0, c1) of the rows left at zero.
+  void clear(int64_t c0, int64_t c1) const {
+    for (int64_t i = 0; i < zeros; ++i)
+      for (int64_t c = c0; c < std::min(c1, n); ++c) p[zero[i] * sm + c * sn] = 0.f;
   }
 };
 
@@ -229,13 +238,13 @@ void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int
 
 // The activations as B tiles: xv[((mt * K/32 + b) * 16 + r) * 32 + m * 2 + i] is
 // x[row 16 mt + m][k = 32 b + 2 r + i] as bf16, rows past t zero.
-void to_vnni(const float* x, bool fm, int64_t t, int64_t k, int64_t mtiles, uint16_t* xv) {
+void to_vnni(const float* x, int64_t t, int64_t k, int64_t mtiles, uint16_t* xv) {
   const int64_t kb = k / kBlock;
   std::memset(xv, 0, mtiles * kb * 512 * sizeof(uint16_t));
   for (int64_t m = 0; m < t; ++m) {
     uint16_t* tile = xv + (m / 16) * kb * 512 + (m % 16) * 2;
     for (int64_t i = 0; i < k; ++i) {
-      const float v = fm ? x[i * t + m] : x[m * k + i];
+      const float v = x[m * k + i];
       tile[(i / kBlock) * 512 + ((i % kBlock) / 2) * 32 + (i % 2)] = bf16_bits(v);
     }
   }
@@ -245,14 +254,14 @@ void to_vnni(const float* x, bool fm, int64_t t, int64_t k, int64_t mtiles, uint
 // is feature-major, else through a buffer (`copy_tile`). The tile's number must be a
 // literal for the intrinsic, hence the macro.
 inline bool whole(int64_t mt, int64_t t, int64_t n0, const Out& out) {
-  return out.sm == 1 && mt * 16 + 16 <= t && n0 + 16 <= out.n;
+  return out.rows == nullptr && out.sm == 1 && mt * 16 + 16 <= t && n0 + 16 <= out.n;
 }
 
 inline void copy_tile(const float* c, int64_t mt, int64_t t, int64_t n0, const Out& out) {
   const int64_t m0 = mt * 16, mm = std::min<int64_t>(16, t - m0);
   const int64_t nn = std::min<int64_t>(16, out.n - n0);
   for (int64_t n = 0; n < nn; ++n)
-    for (int64_t m = 0; m < mm; ++m) out.p[(m0 + m) * out.sm + (n0 + n) * out.sn] = c[n * 16 + m];
+    for (int64_t m = 0; m < mm; ++m) out.p[out.at(m0 + m) * out.sm + (n0 + n) * out.sn] = c[n * 16 + m];
 }
 
 #define SLUICE_EMIT(TILE, mt)                                                        \
@@ -424,6 +433,47 @@ void to_bf16(const float* src, int64_t count, uint16_t* dst) {
 }
 #endif
 
+// x (f32 [T, K]) times layer weights wl/sl into `o` (and the rows `o` leaves at zero
+// zeroed, by the same work items).
+void multiply(ffi::ThreadPool& pool, const float* x, int64_t t, int64_t k,
+              const uint8_t* wl, const float* sl, int64_t np, const Out& o) {
+  constexpr int64_t kGroups = 4;  // groups a work item: 64 columns
+  const int64_t groups = np / kGroup, items = (groups + kGroups - 1) / kGroups;
+#ifdef SLUICE_AMX
+  if (sluice::amx_permitted()) {
+    thread_local std::vector<uint16_t> xv;
+    const int64_t mtiles = (t + 15) / 16;
+    xv.resize(mtiles * (k / kBlock) * 512);
+    to_vnni(x, t, k, mtiles, xv.data());
+    const uint16_t* xvp = xv.data();  // (in the lambda, `xv` would be the worker's own)
+    sluice::parallel_for(pool, items, [&](int64_t p) {
+      sluice::tiles_on();
+      for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
+        group_amx(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xvp, k, t,
+                  g * kGroup, o);
+      _tile_release();
+      o.clear(p * kGroups * kGroup, (p + 1) * kGroups * kGroup);
+    });
+    return;
+  }
+#endif
+#ifdef SLUICE_Q8_AVX2
+  const float* xt = x;  // f32 as it is
+#else
+  thread_local std::vector<uint16_t> xb;  // bf16, reused across calls
+  xb.resize(t * k);
+  to_bf16(x, t * k, xb.data());
+  const uint16_t* xt = xb.data();
+#endif
+  // Pieces of 64 columns: enough to balance the threads, few enough that each streams a
+  // long run of weights.
+  sluice::parallel_for(pool, items, [&](int64_t p) {
+    for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
+      group(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xt, k, t, g * kGroup, o);
+    o.clear(p * kGroups * kGroup, (p + 1) * kGroups * kGroup);
+  });
+}
+
 ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> ws,
                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
@@ -443,50 +493,47 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (t == 0) return ffi::Error::Success();
   const uint8_t* wl = w.typed_data() + l * np * k;
   const float* sl = ws.typed_data() + l * np * (k / kBlock);
-  const Out o{out->typed_data(), fm ? 1 : n, fm ? t : 1, n};
-  constexpr int64_t kGroups = 4;  // groups a work item: 64 columns
-  const int64_t groups = np / kGroup, items = (groups + kGroups - 1) / kGroups;
-#ifdef SLUICE_AMX
-  if (sluice::amx_permitted()) {
-    thread_local std::vector<uint16_t> xv;
-    const int64_t mtiles = (t + 15) / 16;
-    xv.resize(mtiles * (k / kBlock) * 512);
-    to_vnni(x.typed_data(), fm, t, k, mtiles, xv.data());
-    const uint16_t* xvp = xv.data();  // (in the lambda, `xv` would be the worker's own)
-    sluice::parallel_for(pool, items, [&](int64_t p) {
-      sluice::tiles_on();
-      for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
-        group_amx(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xvp, k, t,
-                  g * kGroup, o);
-      _tile_release();
-    });
+  float* of = out->typed_data();
+  // The activations as [T, K] (transposed from feature-major into a buffer reused across
+  // calls: no allocation in steady state).
+  thread_local std::vector<float> rows;
+  const float* xr = x.typed_data();
+  if (fm && t > 1) {
+    rows.resize(t * k);
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t m = 0; m < t; ++m) rows[m * k + i] = xr[i * t + m];
+    xr = rows.data();
+  }
+  // Rows that are all zero give zero results: a bucket's padding rows are such rows
+  // (model/llama.py keeps them at zero), so only the others are multiplied and a step
+  // costs its real rows, not its bucket's. A row's result does not depend on the other
+  // rows of its call (every path), so leaving rows out changes no other row's bits.
+  thread_local std::vector<int64_t> live, dead;
+  live.clear();
+  dead.clear();
+  for (int64_t m = 0; m < t; ++m) {
+    const float* row = xr + m * k;
+    int64_t i = 0;
+    while (i < k && row[i] == 0.f) ++i;
+    (i < k ? live : dead).push_back(m);
+  }
+  const int64_t tl = static_cast<int64_t>(live.size());
+  if (tl == 0) {
+    std::memset(of, 0, sizeof(float) * t * n);
     return ffi::Error::Success();
   }
-#endif
-  // The activations as bf16 [T, K] (transposed from feature-major), in a buffer reused
-  // across calls: no allocation in steady state.
-  thread_local std::vector<float> transposed;
-  thread_local std::vector<uint16_t> xb;
-  const float* xf = x.typed_data();
-  if (fm && t > 1) {
-    transposed.resize(t * k);
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t m = 0; m < t; ++m) transposed[m * k + i] = xf[i * t + m];
-    xf = transposed.data();
+  Out o{of, fm ? 1 : n, fm ? t : 1, n};
+  if (tl < t) {  // the live rows gathered as [tl, K]; their products go to their rows
+    thread_local std::vector<float> xc;
+    xc.resize(tl * k);
+    for (int64_t r = 0; r < tl; ++r)
+      std::memcpy(xc.data() + r * k, xr + live[r] * k, sizeof(float) * k);
+    xr = xc.data();
+    o.rows = live.data();
+    o.zero = dead.data();
+    o.zeros = t - tl;
   }
-#ifdef SLUICE_Q8_AVX2
-  const float* xt = xf;  // f32 as it is
-#else
-  xb.resize(t * k);
-  to_bf16(xf, t * k, xb.data());
-  const uint16_t* xt = xb.data();
-#endif
-  // Pieces of 64 columns: enough to balance the threads, few enough that each streams a
-  // long run of weights.
-  sluice::parallel_for(pool, items, [&](int64_t p) {
-    for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
-      group(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xt, k, t, g * kGroup, o);
-  });
+  multiply(pool, xr, tl, k, wl, sl, np, o);
   return ffi::Error::Success();
 }
 

@@ -121,6 +121,27 @@ def test_a_rows_result_does_not_depend_on_its_batch(target):
                                       batch[i:i + 1])
 
 
+@pytest.mark.parametrize("target", _builds())
+@pytest.mark.parametrize("feature_major", [False, True])
+def test_zero_rows_are_skipped_and_the_others_keep_their_bits(target, feature_major):
+    """A bucket's padding rows are zero (model/llama.py): the kernel multiplies only the
+    other rows, writes exact zeros for these, and changes no other row's result."""
+    rng = np.random.default_rng(5)
+    m = quantize_int8((rng.standard_normal((1, 40, 96)) * 0.1).astype(np.float32))
+    x = rng.standard_normal((19, 96)).astype(np.float32)
+    full = _call(x, m, 0, feature_major, target)
+    dead = [1, 2, 7, 12, 13, 14, 15, 16, 17, 18]  # between, and a run at the end
+    xz = x.copy()
+    xz[dead] = 0.0
+    xz[3, :95] = 0.0  # one value is enough to be a live row
+    got = _call(xz, m, 0, feature_major, target)
+    assert (got[dead] == 0).all()
+    live = [i for i in range(19) if i not in dead and i != 3]
+    np.testing.assert_array_equal(got[live], full[live])
+    np.testing.assert_array_equal(got[3], _call(xz[3:4], m, 0, feature_major, target)[0])
+    assert (_call(np.zeros_like(x), m, 0, feature_major, target) == 0).all()
+
+
 def test_the_portable_build_computes_the_same():
     lib = _build("sluice_q8_linear_portable", "-march=x86-64")
     assert lib.sluice_q8_avx512() == 0 and lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx2() == 0
@@ -171,6 +192,34 @@ def test_runner_with_int8_weights_is_close_to_f32_and_holds_no_f32_projections(
         assert all(a[i].argmax() in top5[i] for i in range(rows))
     with pytest.raises(ValueError, match="quantization"):
         ModelRunner(TINY, random_params(TINY), quantization="int4", **kw)
+
+
+@pytest.mark.parametrize("feature_major", [False, True])
+def test_padding_rows_stay_zero_and_cost_nothing_to_the_real_rows(feature_major):
+    """Padding rows (decode rows past the step's, a prompt block's tail) are zero through
+    every layer, so the kernel skips them; the real rows' logits are those of a step
+    without that padding (bitwise: the kernel's rows do not depend on each other)."""
+    r = ModelRunner(TINY, random_params(TINY), quantization="int8", page_size=8,
+                    num_pages=40, max_context=256, decode_buckets=(2, 4),
+                    prefill_buckets=(16,), mixed_decode_buckets=(4,), block_q=8,
+                    max_prefill_seqs=2, feature_major=feature_major)
+    r.warmup()
+
+    def dec(i):
+        return SeqChunk(seq_id=i, token_ids=[7 + i], start_pos=9, page_table=[1 + 2 * i, 2 + 2 * i],
+                        sample=True, sampling=SamplingParams(temperature=0.0))
+
+    prompt = SeqChunk(seq_id=9, token_ids=[5, 6, 7], start_pos=0, page_table=[30],
+                      sample=True, sampling=SamplingParams(temperature=0.0))
+    res = r.step(StepPlan([dec(0), dec(1), dec(2), prompt]), return_logits=True)
+    hidden = np.asarray(r._last[1])
+    hidden = hidden.T if feature_major else hidden  # [T, hidden]: 4 decode rows, 16 prompt
+    real = [0, 1, 2, 4, 5, 6]
+    pad = [i for i in range(hidden.shape[0]) if i not in real]
+    assert (hidden[pad] == 0).all() and (np.abs(hidden[real]).max(-1) > 0).all()
+    two = r.step(StepPlan([dec(0), dec(1)]), return_logits=True)  # bucket 2: no padding
+    for i in (0, 1):
+        np.testing.assert_array_equal(res.logits[i], two.logits[i])
 
 
 def test_int8_without_the_native_kernel_is_refused_clearly(monkeypatch):
