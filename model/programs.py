@@ -112,9 +112,13 @@ class Programs:
             return not self._thread.is_alive()
         return True
 
-    def close(self) -> None:
-        """Stop after the bucket being compiled now."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop after the bucket being compiled now, and wait for that: a daemon thread
+        still inside XLA's compiler when the interpreter exits is ended by a forced unwind
+        through C++ frames, which can abort the process (as `ReadyTimes.close` found)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _compile_one(self, b: Bucket) -> None:
         t0 = time.perf_counter()
