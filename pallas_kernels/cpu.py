@@ -54,7 +54,7 @@ class CpuBackend(AttentionBackend):
                  group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048,
                  max_prefixes: int = 4, segment_rows: int = 4,
                  prefix_copies: int = 4, native: bool | None = None,
-                 min_prefix_rows: int = 2) -> None:
+                 min_prefix_rows: int | None = None) -> None:
         super().__init__(pool)
         # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
         # where they build fast (or the pool is bf16 bits, which only they read) and the
@@ -71,7 +71,14 @@ class CpuBackend(AttentionBackend):
                              "only (they are unavailable, or the head dimension is not a "
                              "multiple of 16 up to 256)")
         # A decode group reads a shared prefix once for its rows from this many rows on;
-        # fewer walk it themselves.
+        # fewer walk it themselves. None: from 2 rows, but from 6 where the lane walk has
+        # vectors of 8 (AVX2): there the rows' own walks (split in spans over the threads)
+        # cost less for up to 5 rows, as much for 5-6, more from 8 (docs/benchmarks.md,
+        # twenty-fifth session).
+        if min_prefix_rows is None:
+            from .native import lane_width
+
+            min_prefix_rows = 6 if self.native and lane_width() == 8 else 2
         self.min_prefix_rows = max(2, min_prefix_rows)
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align

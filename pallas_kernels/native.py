@@ -138,6 +138,12 @@ def available() -> tuple[bool, str]:
                   "avx2" if lib.sluice_q8_avx2() else "portable")
 
 
+def lane_width() -> int:
+    """Lanes a vector of the lane walk (csrc/lane_attention.cc) holds in this build: 16
+    (AVX-512), 8 (AVX2), 1 (portable); 0 where the kernels are unavailable."""
+    return load().sluice_lane_width() if available()[0] else 0
+
+
 def fast() -> tuple[bool, str]:
     """(True, kind) where the native kernels beat XLA:CPU's f32 (AMX, AVX-512, AVX2), else
     (False, why): what "auto" settings ask before choosing int8 weights and a bf16 pool.

@@ -846,3 +846,14 @@ extern "C" int sluice_lane_amx(int on) {
   return 0;
 #endif
 }
+
+// The lanes of one vector in the walk this build runs: 16 (AVX-512), 8 (AVX2), 1.
+extern "C" int sluice_lane_width() {
+#ifdef __AVX512F__
+  return 16;
+#elif defined(SLUICE_AVX2)
+  return 8;
+#else
+  return 1;
+#endif
+}

@@ -94,6 +94,9 @@ def prepared(backend, c: Case):
 
 CPU_OPTIONS = {
     "defaults": {},  # the native kernels, where they build
+    # Native, prefixes read once from 2 rows (the default only where the lane walk has
+    # vectors of 16: on AVX2 from 6 rows).
+    "native-prefixes-from-2": dict(min_prefix_rows=2),
     # Native, one prefix at most, read once only from 3 rows (others walk their own).
     "native-few-prefixes": dict(max_prefixes=1, min_prefix_rows=3),
     "jnp": dict(native=False),  # the jnp cascade, row groups of 8
