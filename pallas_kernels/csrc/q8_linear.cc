@@ -43,7 +43,7 @@
 // one product at a time: correct, but slower than XLA's f32, so "auto" settings do not
 // choose int8 there (native.py, `fast`).
 //
-// (About 530 lines: the AMX, AVX-512, AVX2 and portable paths compute one definition from
+// (About 570 lines: the AMX, AVX-512, AVX2 and portable paths compute one definition from
 // one packing behind one entry point; they stay in one file so that they change together.)
 
 #include <immintrin.h>
