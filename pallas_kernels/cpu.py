@@ -16,7 +16,7 @@ the model or the runner (docs/architecture.md, "Attention backends"):
 
 Where the native kernels build (`native`), attention is theirs instead and only the
 prefix metadata above is used: each shared prefix read once for its decode rows, then
-each row's own pages, and prefill blocks whole (`_attend_native`). (About 370 lines: the
+each row's own pages, and prefill blocks whole (`_attend_native`). (About 390 lines: the
 metadata, the copy and both ways of attending share one plan and stay together.)
 """
 
@@ -73,7 +73,7 @@ class CpuBackend(AttentionBackend):
         # A decode group reads a shared prefix once for its rows from this many rows on;
         # fewer walk it themselves. None: from 2 rows, but from 6 where the lane walk has
         # vectors of 8 (AVX2): there the rows' own walks (split in spans over the threads)
-        # cost less for up to 5 rows, as much for 5-6, more from 8 (docs/benchmarks.md,
+        # cost less up to 4 rows, about as much at 5-6, more from 8 (docs/benchmarks.md,
         # twenty-fifth session).
         if min_prefix_rows is None:
             from .native import lane_width
