@@ -200,20 +200,79 @@ void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t
     }
   }
 #elif defined(SLUICE_AVX2)
-  for (int i = 0; i < cnt; ++i) {  // a token's 16 columns in two vectors, rank row by row
-    const int64_t ti = c0 + toks[i];
-    const W* bs = blk + slots[ti] * slot_stride;
-    const float* hm = h + ti * h_stride + j * rp;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int64_t r = 0; r < r_n; ++r) {
-      const __m256 hv = _mm256_set1_ps(hm[r]);
-      a0 = _mm256_fmadd_ps(hv, sluice::widen8(bs + r * kCols), a0);
-      a1 = _mm256_fmadd_ps(hv, sluice::widen8(bs + r * kCols + 8), a1);
+  // Up to kTok tokens of one slot at a time: each rank row of the slot's block widened
+  // once for all of them (8 accumulators), their rows of 16 columns into `tile`; then
+  // added to the output, feature-major in 8 x 8 transposes (a vector per column).
+  alignas(32) float tile[16][kCols];
+  int under[16] = {};  // 1 where the chunk's token is under an adapter
+  for (int i0 = 0; i0 < cnt;) {
+    const int32_t s = slots[c0 + toks[i0]];
+    int i1 = i0;
+    while (i1 < cnt && slots[c0 + toks[i1]] == s) ++i1;
+    const W* bs = blk + s * slot_stride;
+    for (int g = i0; g < i1; g += kTok) {
+      __m256 acc[kTok][2];
+      const float* hq[kTok];
+      for (int q = 0; q < kTok; ++q) {
+        acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+        hq[q] = h + (c0 + toks[std::min(g + q, i1 - 1)]) * h_stride + j * rp;
+      }
+      for (int64_t r = 0; r < r_n; ++r) {
+        const __m256 b0 = sluice::widen8(bs + r * kCols), b1 = sluice::widen8(bs + r * kCols + 8);
+        for (int q = 0; q < kTok; ++q) {
+          const __m256 hv = _mm256_broadcast_ss(hq[q] + r);
+          acc[q][0] = _mm256_fmadd_ps(hv, b0, acc[q][0]);
+          acc[q][1] = _mm256_fmadd_ps(hv, b1, acc[q][1]);
+        }
+      }
+      for (int q = 0; q < kTok && g + q < i1; ++q) {
+        _mm256_store_ps(tile[toks[g + q]], acc[q][0]);
+        _mm256_store_ps(tile[toks[g + q]] + 8, acc[q][1]);
+        under[toks[g + q]] = 1;
+      }
     }
-    alignas(32) float row[kCols];
-    _mm256_store_ps(row, a0);
-    _mm256_store_ps(row + 8, a1);
-    for (int64_t c = 0; c < w; ++c) out[fm ? (o0 + c) * t + ti : ti * n + o0 + c] += row[c];
+    i0 = i1;
+  }
+  if (fm) {
+    for (int q0 = 0; q0 < nt; q0 += 8) {
+      const int qn = std::min(8, nt - q0);
+      for (int q = qn; q < 8; ++q) under[q0 + q] = 0;  // (past the chunk: not stored)
+      bool any = false;
+      for (int q = 0; q < qn; ++q) any |= under[q0 + q] != 0;
+      if (!any) continue;
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(under + q0)),
+          _mm256_setzero_si256()));
+      for (int64_t h0 = 0; h0 < w; h0 += 8) {
+        __m256 v[8];
+        for (int q = 0; q < 8; ++q)
+          v[q] = q < qn && under[q0 + q] ? _mm256_load_ps(tile[q0 + q] + h0) : _mm256_setzero_ps();
+        sluice::transpose8(v);  // v[i]: column h0 + i for the 8 tokens
+        for (int64_t i = 0; i < 8 && h0 + i < w; ++i) {
+          float* p = out + (o0 + h0 + i) * t + c0 + q0;
+          if (qn == 8) {  // the tokens under no adapter keep their values exactly
+            const __m256 o = _mm256_loadu_ps(p);
+            _mm256_storeu_ps(p, _mm256_blendv_ps(_mm256_add_ps(o, v[i]), o, keep));
+          } else {
+            alignas(32) float col[8];
+            _mm256_store_ps(col, v[i]);
+            for (int q = 0; q < qn; ++q)
+              if (under[q0 + q]) p[q] += col[q];
+          }
+        }
+      }
+    }
+  } else {
+    for (int i = 0; i < cnt; ++i) {
+      float* p = out + (c0 + toks[i]) * n + o0;
+      if (w == kCols) {
+        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_load_ps(tile[toks[i]])));
+        _mm256_storeu_ps(p + 8, _mm256_add_ps(_mm256_loadu_ps(p + 8),
+                                              _mm256_load_ps(tile[toks[i]] + 8)));
+      } else {
+        for (int64_t c = 0; c < w; ++c) p[c] += tile[toks[i]][c];
+      }
+    }
   }
 #else
   for (int i = 0; i < cnt; ++i) {
@@ -244,6 +303,16 @@ inline void transpose_into(const float* in, int64_t rows, int64_t cols, int64_t 
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + (c0 + i) * rows + r0, v[i]);
     }
   // the blocks' rows at the columns past the last whole block
+  for (int64_t r = 0; r < r0; ++r)
+    for (int64_t c = c0; c < c_end; ++c) out[c * rows + r] = in[r * cols + c];
+#elif defined(SLUICE_AVX2)
+  for (; r0 + 8 <= rows; r0 += 8)
+    for (c0 = c_begin; c0 + 8 <= c_end; c0 += 8) {
+      __m256 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(in + (r0 + i) * cols + c0);
+      sluice::transpose8(v);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (c0 + i) * rows + r0, v[i]);
+    }
   for (int64_t r = 0; r < r0; ++r)
     for (int64_t c = c0; c < c_end; ++c) out[c * rows + r] = in[r * cols + c];
 #endif

@@ -100,6 +100,25 @@ inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// r[i] becomes column i of the 8 x 8 matrix whose rows were r[0..7].
+inline void transpose8(__m256* r) {
+  __m256 u[8], v[8];
+  for (int i = 0; i < 4; ++i) {
+    u[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    u[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // v[4i + k], 128-bit lane L: rows 4i..4i+3 at column 4L + k
+    v[4 * i] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0x44);
+    v[4 * i + 1] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0xEE);
+    v[4 * i + 2] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0x44);
+    v[4 * i + 3] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(v[k], v[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(v[k], v[4 + k], 0x31);
+  }
+}
+
 inline float sum8(__m256 v) {
   const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
