@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     if target:
                         m = i8[k]
                         y = q8_linear(x[:n_in], m.q, m.scale, i, feature_major=True,
-                                      target=target)
+                                      layout=m.layout, target=target)
                     else:
                         y = f32[k][i] @ x[:n_in]
                     acc = acc + y[0, 0]
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     heads = {"f32": jax.jit(lambda x: (head_f32 @ x[:576])[0, 0])}
     for name, target in targets.items():
         heads[name] = jax.jit(lambda x, t=target: q8_linear(
-            x[:576], head_i8.q, head_i8.scale, 0, feature_major=True, target=t)[0, 0])
+            x[:576], head_i8.q, head_i8.scale, 0, feature_major=True,
+            layout=head_i8.layout, target=t)[0, 0])
     runs = {"f32": layers(None), **{name: layers(t) for name, t in targets.items()}}
     out = []
     for rows in map(int, args.rows.split(",")):

@@ -11,12 +11,18 @@ How. A weight matrix (out, in) is cut into blocks of 32 input values; each block
 one f32 scale (absmax / 127) and 32 int8 values, as llama.cpp's Q8_0 does. Stored as
 `Int8Matrix`: uint8 values (q + 128) [layers, out, in] and scales [layers, out, in / 32],
 both "packed" (columns in groups of 16, block by block; `out` rounded up to 16 with zero
-columns) so the kernel streams them in order and a group's block is one AMX tile. The activations are not quantized, only rounded to bf16 in the kernel. Accuracy
+columns) so the kernel streams them in order and a group's block is one AMX tile
+(layout 0, [16 columns][32 values]). Where the kernel's AVX2 path runs, a block is stored
+[32 values][16 columns] instead (layout 1: 16 columns of one input value in one load, which
+its many-row and few-row forms both read in order; `native_layout`). The activations are
+not quantized (rounded to bf16 in the AMX and AVX-512 paths, f32 in AVX2's). Accuracy
 against the f32 path: `benchmarks/int8_accuracy.py` (docs/benchmarks.md). Embeddings
 (the token lookup), norms and LoRA deltas stay f32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +44,7 @@ class Int8Matrix:
     scale: jax.Array  # f32 [layers, out rounded up to GROUP, in / BLOCK]
     layer: jax.Array = struct.field(default_factory=lambda: np.zeros((), np.int32))
     out: int = struct.field(pytree_node=False, default=0)  # columns (0: q's)
+    layout: int = struct.field(pytree_node=False, default=0)  # a block's order (below)
 
     @property
     def n(self) -> int:
@@ -51,18 +58,28 @@ class Int8Matrix:
         return self.q.nbytes + self.scale.nbytes
 
 
-def quantize_int8(w: np.ndarray) -> Int8Matrix:
-    """Int8Matrix of f32 matrices `w` [layers, out, in] (in a multiple of 32).
-    Computed by XLA in one fused pass (numpy's six passes over the model took ~3 s of
-    every start-up, and their temporaries 0.3 GB of peak memory)."""
+def native_layout() -> int:
+    """The block order the native kernel that runs here reads fastest: 1 ([32 k][16
+    columns]) for its AVX2 path, else 0 ([16 columns][32 k])."""
+    from pallas_kernels import native
+
+    return 1 if native.available() == (True, "avx2") else 0
+
+
+def quantize_int8(w: np.ndarray, layout: int | None = None) -> Int8Matrix:
+    """Int8Matrix of f32 matrices `w` [layers, out, in] (in a multiple of 32), its blocks
+    in `layout` (None: `native_layout()`). Computed by XLA in one fused pass (numpy's six
+    passes over the model took ~3 s of every start-up, and their temporaries 0.3 GB of
+    peak memory)."""
     n_l, n, k = np.shape(w)
     if k % BLOCK:
         raise ValueError(f"int8 weights need in % {BLOCK} == 0, not {(n, k)}")
-    return Int8Matrix(*_quantize(jnp.asarray(w, jnp.float32)), out=n)
+    layout = native_layout() if layout is None else layout
+    return Int8Matrix(*_quantize(jnp.asarray(w, jnp.float32), layout), out=n, layout=layout)
 
 
-@jax.jit
-def _quantize(w):
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(w, layout):
     n_l, n, k = w.shape
     if n % GROUP:
         w = jnp.pad(w, ((0, 0), (0, GROUP - n % GROUP), (0, 0)))
@@ -71,8 +88,11 @@ def _quantize(w):
     scale = jnp.max(jnp.abs(blocks), axis=-1) / 127.0
     inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
     u = (jnp.clip(jnp.round(blocks * inv[..., None]), -127, 127) + 128).astype(jnp.uint8)
-    # Packed: [layers, out / 16, in / 32, 16, 32] and [layers, out / 16, in / 32, 16].
+    # Packed: [layers, out / 16, in / 32, 16, 32] (layout 1: [..., 32, 16]) and
+    # [layers, out / 16, in / 32, 16].
     u = u.reshape(n_l, n // GROUP, GROUP, k // BLOCK, BLOCK).swapaxes(2, 3)
+    if layout == 1:
+        u = u.swapaxes(3, 4)
     s = scale.reshape(n_l, n // GROUP, GROUP, k // BLOCK).swapaxes(2, 3)
     return u.reshape(n_l, n, k), s.reshape(n_l, n, k // BLOCK)
 
@@ -81,6 +101,8 @@ def dequantize_int8(m: Int8Matrix) -> np.ndarray:
     """The f32 matrices [layers, out, in] an Int8Matrix stands for (tests, accuracy)."""
     q, s = np.asarray(m.q), np.asarray(m.scale)
     n_l, n, k = q.shape
+    if m.layout == 1:
+        q = q.reshape(n_l, n // GROUP, k // BLOCK, BLOCK, GROUP).swapaxes(3, 4)
     u = q.reshape(n_l, n // GROUP, k // BLOCK, GROUP, BLOCK).swapaxes(2, 3)
     s = s.reshape(n_l, n // GROUP, k // BLOCK, GROUP).swapaxes(2, 3)
     w = (u.astype(np.float32) - 128.0) * s[..., None]
@@ -95,7 +117,7 @@ def linear(x, w, *, feature_major: bool):
     from pallas_kernels.native import q8_linear
 
     return q8_linear(x, w.q, w.scale, w.layer, feature_major=feature_major,
-                     n=w.n).astype(x.dtype)
+                     n=w.n, layout=w.layout).astype(x.dtype)
 
 
 def quantized_bytes(params: dict) -> int:

@@ -156,11 +156,11 @@ def fast() -> tuple[bool, str]:
 
 
 def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,
-              target: str = TARGET):
+              layout: int = 0, target: str = TARGET):
     """x times layer `layer` of the packed int8 weights (`model/quant.py`, Int8Matrix):
     x [K, T] -> [N, T] if `feature_major`, else [T, K] -> [T, N]; f32. `n`: the matrix's
-    columns, when fewer than the packed ones. (`target`: another registered build of
-    the same kernel, for tests.)"""
+    columns, when fewer than the packed ones; `layout`: its blocks' order (1 only for
+    the AVX2 path). (`target`: another registered build of the same kernel, for tests.)"""
     if target == TARGET:
         load()
     n = n or q.shape[1]
@@ -168,7 +168,7 @@ def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,
     out = jax.ShapeDtypeStruct((n, t) if feature_major else (t, n), jnp.float32)
     return jax.ffi.ffi_call(target, out)(
         x.astype(jnp.float32), q, scale, jnp.asarray(layer, jnp.int32),
-        feature_major=np.int32(feature_major))
+        feature_major=np.int32(feature_major), layout=np.int32(layout))
 
 
 def lora_delta(y, x, a, b, slots, layer, bounds, *, feature_major: bool,

@@ -28,12 +28,15 @@
 //   w     uint8 [L, Np, K]: weight (out n, in k) of layer l, stored as q + 128, q in
 //         [-127, 127], packed: columns in groups of 16, a group's blocks in order
 //         [K/32][16][32] (block b of its 16 columns side by side), so that a group reads
-//         its weights as one sequential stream; Np is N rounded up to 16 (zero columns);
+//         its weights as one sequential stream; Np is N rounded up to 16 (zero columns).
+//         With the attribute layout = 1 (the AVX2 path's, packed where it runs) a block
+//         is [32][16] instead: the 16 columns of one k side by side;
 //   ws    f32   [L, Np, K/32]: the scale of each 32-value block, packed the same way
 //         ([Np/16][K/32][16]);
 //   x     f32   [K, T] (feature_major) or [T, K];
 //   layer int32 []: which of the L layers;
 //   out   f32   [N, T] (feature_major) or [T, N].
+// The AMX and AVX-512 paths read layout 0 only; AVX2 and portable read both.
 // K must be a multiple of 32. Work is split over XLA's intra-op thread pool by column
 // ranges; the calling thread works too and waits for the rest.
 //
@@ -43,8 +46,9 @@
 // one product at a time: correct, but slower than XLA's f32, so "auto" settings do not
 // choose int8 there (native.py, `fast`).
 //
-// (About 570 lines: the AMX, AVX-512, AVX2 and portable paths compute one definition from
-// one packing behind one entry point; they stay in one file so that they change together.)
+// (About 770 lines: the AMX, AVX-512, AVX2 and portable paths compute their definitions
+// from one packing (the AVX2 path's own block order beside it) behind one entry point;
+// they stay in one file so that they change together.)
 
 #include <immintrin.h>
 
@@ -204,7 +208,7 @@ void dequantize_blocks(const uint8_t* wg, const float* sg, int64_t b0, int64_t b
 }
 
 void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int64_t t,
-           int64_t n0, const Out& out) {
+           int64_t n0, const Out& out, int = 0) {
   if (t <= 4) {  // registers: t x 4 accumulators + 4 weight vectors
     for (int j0 = 0; j0 < kGroup; j0 += 4) rows<4>(wg, sg, j0, x, k, t, n0, out);
     return;
@@ -397,7 +401,7 @@ inline void rows16(const uint8_t* wg, const float* sg, const float* x, int64_t k
 // first: a group is 9-24 KB). Dequantizing the group once into an f32 buffer for many
 // rows measured no faster (4% at 272 rows, slower at 16).
 void group(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_t t,
-           int64_t n0, const Out& out) {
+           int64_t n0, const Out& out, int = 0) {
   int64_t m = 0;
   for (; m + 8 <= t; m += 8) rows16<8>(wg, sg, x, k, m, n0, out);
   switch (t - m) {
@@ -412,16 +416,174 @@ void group(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_
   }
 }
 
+
+// Layout 1 ("k16", what model/quant.py packs where this path runs): a group's block is
+// [32 k][16 columns], so 16 columns of one k are one 16-byte load. Its definition here:
+// each product row x column is one chain of FMAs over k = 0 .. K-1 in order, from 0
+// (the weights dequantized as above), whatever the rows of the call. Two forms compute it:
+//   - under kLanesRows rows (`few_rows`), the columns are the lanes: a k's 16 weights
+//     dequantized in two vectors, an activation broadcast, 1-2 groups' accumulators in
+//     registers a block, in passes of up to 6 rows (two groups at one row: chains enough
+//     for the FMA's latency; four spilled);
+//   - from kLanesRows rows (`group_lanes`), the rows are the lanes: the activations
+//     transposed to [K][rows], each block dequantized into L1 and each weight broadcast
+//     for 16 rows, 12 accumulators (6 columns x 16 rows) a block: one load a two FMAs,
+//     1.2-1.35x the rate of `rows16` from 16 rows; under 16 rows about its rate
+//     (docs/benchmarks.md, "the AVX2 path's own block order").
+constexpr int64_t kLanesRows = 16;
+
+// Columns [0, 8) and [8, 16) of k row i of block b (layout 1), dequantized.
+inline void dequantize_k16(const uint8_t* wg, int64_t b, int64_t i, __m256 s0, __m256 s1,
+                           __m256 b0, __m256 b1, __m256& w0, __m256& w1) {
+  const uint8_t* p = wg + (b * kBlock + i) * kGroup;
+  const __m128i u0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i u1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+  w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u0)), s0, b0);
+  w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u1)), s1, b1);
+}
+
+// Rows [m0, m0 + MT) of x ([T, K]) times G groups (wg.., sg.., columns n0..).
+// One block of few_rows: acc[(m * G + g) * 2 + h] (8 lanes each, L1) += the block's
+// products; in registers for the block's 32 k (GCC kept an accumulator array live across
+// blocks in memory, a store a FMA).
+template <int MT, int G>
+inline void few_block(const uint8_t* wg, const float* sg, int64_t gw, int64_t gs,
+                      const float* xr, int64_t k, int64_t b, float* acc) {
+  constexpr int kAcc = MT * G * 2;
+  const __m256 minus128 = _mm256_set1_ps(-128.f);
+  __m256 s[2 * G], bias[2 * G], a[kAcc];
+  for (int j = 0; j < 2 * G; ++j) {
+    s[j] = _mm256_loadu_ps(sg + (j / 2) * gs + b * kGroup + 8 * (j % 2));
+    bias[j] = _mm256_mul_ps(s[j], minus128);
+  }
+  for (int j = 0; j < kAcc; ++j) a[j] = _mm256_load_ps(acc + 8 * j);
+  for (int64_t i = 0; i < kBlock; ++i) {
+    __m256 w[2 * G];
+    for (int g = 0; g < G; ++g)
+      dequantize_k16(wg + g * gw, b, i, s[2 * g], s[2 * g + 1], bias[2 * g], bias[2 * g + 1],
+                     w[2 * g], w[2 * g + 1]);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(xr + m * k + b * kBlock + i);
+      for (int j = 0; j < 2 * G; ++j) a[m * 2 * G + j] = _mm256_fmadd_ps(xv, w[j], a[m * 2 * G + j]);
+    }
+  }
+  for (int j = 0; j < kAcc; ++j) _mm256_store_ps(acc + 8 * j, a[j]);
+}
+
+template <int MT, int G>
+void few_rows(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_t m0,
+              int64_t n0, const Out& out) {
+  const int64_t gw = kGroup * k, gs = kGroup * (k / kBlock);  // a group's weights, scales
+  alignas(32) float acc[MT * G * 2 * 8] = {};
+  for (int64_t b = 0; b < k / kBlock; ++b) few_block<MT, G>(wg, sg, gw, gs, x + m0 * k, k, b, acc);
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kGroup; ++c)
+        out.set(m0 + m, n0 + g * kGroup + c, acc[((m * G + g) * 2 + c / 8) * 8 + c % 8]);
+}
+
+// Groups [g0, g1) of the layer for rows [m0, m0 + MT): G groups at a time, then one.
+template <int MT, int G>
+void few_groups(const uint8_t* wl, const float* sl, const float* x, int64_t k, int64_t m0,
+                int64_t g0, int64_t g1, const Out& out) {
+  const int64_t gw = kGroup * k, gs = kGroup * (k / kBlock);
+  int64_t g = g0;
+  for (; g + G <= g1; g += G)
+    few_rows<MT, G>(wl + g * gw, sl + g * gs, x, k, m0, g * kGroup, out);
+  for (; g < g1; ++g) few_rows<MT, 1>(wl + g * gw, sl + g * gs, x, k, m0, g * kGroup, out);
+}
+
+// t < kLanesRows rows: passes of up to 6 rows, each over the groups [g0, g1).
+void few(const uint8_t* wl, const float* sl, const float* x, int64_t k, int64_t t,
+         int64_t g0, int64_t g1, const Out& out) {
+  for (int64_t m = 0; m < t;) {
+    const int64_t r = t - m;
+    switch (r >= 6 ? 6 : r) {
+      case 1: few_groups<1, 2>(wl, sl, x, k, m, g0, g1, out); break;
+      case 2: few_groups<2, 2>(wl, sl, x, k, m, g0, g1, out); break;
+      case 3: few_groups<3, 2>(wl, sl, x, k, m, g0, g1, out); break;
+      case 4: few_groups<4, 1>(wl, sl, x, k, m, g0, g1, out); break;
+      case 5: few_groups<5, 1>(wl, sl, x, k, m, g0, g1, out); break;
+      default: few_groups<6, 1>(wl, sl, x, k, m, g0, g1, out); break;
+    }
+    m += r >= 6 ? 6 : r;
+  }
+}
+
+// Block b of the group (layout 1) dequantized: wb[i * 16 + c] = weight (column c, k 32b + i).
+inline void dequantize_block_k16(const uint8_t* wg, const float* sg, int64_t b, float* wb) {
+  const __m256 minus128 = _mm256_set1_ps(-128.f);
+  const __m256 s0 = _mm256_loadu_ps(sg + b * kGroup), s1 = _mm256_loadu_ps(sg + b * kGroup + 8);
+  const __m256 b0 = _mm256_mul_ps(s0, minus128), b1 = _mm256_mul_ps(s1, minus128);
+  for (int64_t i = 0; i < kBlock; ++i) {
+    __m256 w0, w1;
+    dequantize_k16(wg, b, i, s0, s1, b0, b1, w0, w1);
+    _mm256_store_ps(wb + i * kGroup, w0);
+    _mm256_store_ps(wb + i * kGroup + 8, w1);
+  }
+}
+
+// Columns [c0, c0 + NC) x NV vectors of 8 rows from row vector v0, over one block: acc
+// [16][tp] (rows in lanes), xb the block's activations [32][tp], wb the block.
+template <int NC, int NV>
+inline void lanes_tile(const float* wb, const float* xb, int64_t tp, int64_t v0, int c0,
+                       float* acc) {
+  __m256 a[NC][NV];
+  for (int c = 0; c < NC; ++c)
+    for (int v = 0; v < NV; ++v) a[c][v] = _mm256_loadu_ps(acc + (c0 + c) * tp + 8 * (v0 + v));
+  for (int i = 0; i < kBlock; ++i) {
+    __m256 xv[NV];
+    for (int v = 0; v < NV; ++v) {
+      xv[v] = _mm256_loadu_ps(xb + i * tp + 8 * (v0 + v));
+      asm("" : "+x"(xv[v]));  // held in a register for the NC columns (GCC re-read it)
+    }
+    for (int c = 0; c < NC; ++c) {
+      const __m256 w = _mm256_broadcast_ss(wb + i * kGroup + c0 + c);
+      for (int v = 0; v < NV; ++v) a[c][v] = _mm256_fmadd_ps(xv[v], w, a[c][v]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + (c0 + c) * tp + 8 * (v0 + v), a[c][v]);
+}
+
+// One group (layout 1), t rows, from xk ([K][tp], tp = t rounded up to 8, rows past t 0).
+void group_lanes(const uint8_t* wg, const float* sg, const float* xk, int64_t k, int64_t t,
+                 int64_t tp, int64_t n0, const Out& out) {
+  thread_local std::vector<float> accv;
+  accv.assign(kGroup * tp, 0.f);
+  float* acc = accv.data();
+  alignas(32) float wb[kBlock * kGroup];
+  const int64_t nv = tp / 8;
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    dequantize_block_k16(wg, sg, b, wb);
+    const float* xb = xk + b * kBlock * tp;
+    int64_t v = 0;
+    for (; v + 2 <= nv; v += 2) {
+      lanes_tile<6, 2>(wb, xb, tp, v, 0, acc);
+      lanes_tile<6, 2>(wb, xb, tp, v, 6, acc);
+      lanes_tile<4, 2>(wb, xb, tp, v, 12, acc);
+    }
+    if (v < nv) {
+      lanes_tile<12, 1>(wb, xb, tp, v, 0, acc);
+      lanes_tile<4, 1>(wb, xb, tp, v, 12, acc);
+    }
+  }
+  for (int c = 0; c < kGroup; ++c)
+    for (int64_t m = 0; m < t; ++m) out.set(m, n0 + c, acc[c * tp + m]);
+}
+
 #else
 // Portable fallback (no AVX2): the same arithmetic, one product at a time.
 void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int64_t t,
-           int64_t n0, const Out& out) {
+           int64_t n0, const Out& out, int layout) {
   for (int j = 0; j < kGroup; ++j)
     for (int64_t m = 0; m < t; ++m) {
       float acc = 0.f;
       for (int64_t i = 0; i < k; ++i) {
         const int64_t at = (i / kBlock) * kGroup + j;
-        const float w = (static_cast<float>(wg[at * kBlock + i % kBlock]) - 128.f) * sg[at];
+        const int64_t wi = layout == 0 ? at * kBlock + i % kBlock
+                                       : ((i / kBlock) * kBlock + i % kBlock) * kGroup + j;
+        const float w = (static_cast<float>(wg[wi]) - 128.f) * sg[at];
         acc += bf16_value(bf16_bits(w)) * bf16_value(x[m * k + i]);
       }
       out.set(m, n0 + j, acc);
@@ -436,7 +598,7 @@ void to_bf16(const float* src, int64_t count, uint16_t* dst) {
 // x (f32 [T, K]) times layer weights wl/sl into `o` (and the rows `o` leaves at zero
 // zeroed, by the same work items).
 void multiply(ffi::ThreadPool& pool, const float* x, int64_t t, int64_t k,
-              const uint8_t* wl, const float* sl, int64_t np, const Out& o) {
+              const uint8_t* wl, const float* sl, int64_t np, const Out& o, int layout) {
   constexpr int64_t kGroups = 4;  // groups a work item: 64 columns
   const int64_t groups = np / kGroup, items = (groups + kGroups - 1) / kGroups;
 #ifdef SLUICE_AMX
@@ -458,6 +620,28 @@ void multiply(ffi::ThreadPool& pool, const float* x, int64_t t, int64_t k,
   }
 #endif
 #ifdef SLUICE_Q8_AVX2
+  if (layout == 1 && t < kLanesRows) {
+    sluice::parallel_for(pool, items, [&](int64_t p) {
+      few(wl, sl, x, k, t, p * kGroups, std::min(groups, (p + 1) * kGroups), o);
+      o.clear(p * kGroups * kGroup, (p + 1) * kGroups * kGroup);
+    });
+    return;
+  }
+  if (layout == 1) {  // the rows as lanes: x^T [K][tp], rows past t zero
+    const int64_t tp = (t + 7) / 8 * 8;
+    thread_local std::vector<float> xkv;
+    xkv.assign(k * tp, 0.f);
+    float* xk = xkv.data();
+    for (int64_t m = 0; m < t; ++m)
+      for (int64_t i = 0; i < k; ++i) xk[i * tp + m] = x[m * k + i];
+    sluice::parallel_for(pool, items, [&](int64_t p) {
+      for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
+        group_lanes(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xk, k, t, tp,
+                    g * kGroup, o);
+      o.clear(p * kGroups * kGroup, (p + 1) * kGroups * kGroup);
+    });
+    return;
+  }
   const float* xt = x;  // f32 as it is
 #else
   thread_local std::vector<uint16_t> xb;  // bf16, reused across calls
@@ -469,7 +653,8 @@ void multiply(ffi::ThreadPool& pool, const float* x, int64_t t, int64_t k,
   // long run of weights.
   sluice::parallel_for(pool, items, [&](int64_t p) {
     for (int64_t g = p * kGroups; g < std::min(groups, (p + 1) * kGroups); ++g)
-      group(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xt, k, t, g * kGroup, o);
+      group(wl + g * kGroup * k, sl + g * kGroup * (k / kBlock), xt, k, t, g * kGroup, o,
+            layout);
     o.clear(p * kGroups * kGroup, (p + 1) * kGroups * kGroup);
   });
 }
@@ -477,7 +662,7 @@ void multiply(ffi::ThreadPool& pool, const float* x, int64_t t, int64_t k,
 ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> ws,
                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                        int32_t feature_major) {
+                        int32_t feature_major, int32_t layout) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = ws.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3)
     return ffi::Error::InvalidArgument("sluice_q8_linear: x must be 2-D, w and ws 3-D");
@@ -490,6 +675,12 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("sluice_q8_linear: shapes do not agree");
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= nl) return ffi::Error::InvalidArgument("sluice_q8_linear: bad layer");
+#if defined(SLUICE_Q8_AVX512) || defined(SLUICE_AMX)
+  if (layout != 0)  // (model/quant.py packs layout 1 only where the AVX2 path runs)
+    return ffi::Error::InvalidArgument("sluice_q8_linear: this build reads layout 0 only");
+#endif
+  if (layout != 0 && layout != 1)
+    return ffi::Error::InvalidArgument("sluice_q8_linear: layout must be 0 or 1");
   if (t == 0) return ffi::Error::Success();
   const uint8_t* wl = w.typed_data() + l * np * k;
   const float* sl = ws.typed_data() + l * np * (k / kBlock);
@@ -533,7 +724,7 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     o.zero = dead.data();
     o.zeros = t - tl;
   }
-  multiply(pool, xr, tl, k, wl, sl, np, o);
+  multiply(pool, xr, tl, k, wl, sl, np, o, layout);
   return ffi::Error::Success();
 }
 
@@ -547,7 +738,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Linear, Q8LinearImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("feature_major"));
+                                  .Attr<int32_t>("feature_major")
+                                  .Attr<int32_t>("layout"));
 
 // 1 when built with the AVX-512 path, 0 for the portable one.
 extern "C" int sluice_q8_avx512() {

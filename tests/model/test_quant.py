@@ -48,7 +48,7 @@ def _is_avx2(target: str) -> bool:
 def _call(x, m, layer, fm, target=native.TARGET):
     xin = jnp.asarray(x.T if fm else x)
     f = jax.jit(lambda x, q, s, i: native.q8_linear(x, q, s, i, feature_major=fm, n=m.n,
-                                                    target=target))
+                                                    layout=m.layout, target=target))
     out = np.asarray(f(xin, m.q, m.scale, jnp.int32(layer)))
     return out.T if fm else out
 
@@ -57,7 +57,7 @@ def test_quantize_packs_blocks_and_dequantizes_within_half_a_step():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((2, 24, 96)).astype(np.float32)
     w[1, 3, 32:64] = 0.0  # an all-zero block
-    m = quantize_int8(w)  # 24 columns packed as 32: two groups of 16, 8 of them zero
+    m = quantize_int8(w, 0)  # 24 columns packed as 32: two groups of 16, 8 of them zero
     assert m.q.dtype == jnp.uint8 and m.q.shape == (2, 32, 96) and m.scale.shape == (2, 32, 3)
     assert m.n == 24
     back = dequantize_int8(m)
@@ -65,6 +65,11 @@ def test_quantize_packs_blocks_and_dequantizes_within_half_a_step():
     step = np.abs(w).reshape(2, 24, 3, 32).max(-1, keepdims=True) / 127
     assert (np.abs(back - w).reshape(2, 24, 3, 32) <= step / 2 + 1e-7).all()
     assert (back[1, 3, 32:64] == 0).all()
+    k16 = quantize_int8(w, 1)  # the AVX2 path's order: a block's 16 columns of one k together
+    assert k16.layout == 1 and k16.q.shape == m.q.shape
+    np.testing.assert_array_equal(np.asarray(k16.q).reshape(2, 2, 3, 32, 16),
+                                  np.asarray(m.q).reshape(2, 2, 3, 16, 32).swapaxes(3, 4))
+    np.testing.assert_array_equal(dequantize_int8(k16), back)
     with pytest.raises(ValueError, match="int8 weights need"):
         quantize_int8(np.zeros((1, 16, 40), np.float32))
 
@@ -94,14 +99,23 @@ def _builds() -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("target", _builds())
+def _layouts(target: str) -> list[int]:
+    """The block orders a build reads: the AVX2 path both, the others layout 0."""
+    return [0, 1] if _is_avx2(target) else [0]
+
+
+def _cases():
+    return [(t, lay) for t in _builds() for lay in _layouts(t)]
+
+
+@pytest.mark.parametrize("target,layout", _cases())
 @pytest.mark.parametrize("feature_major", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 17, 40, 70])
-def test_kernel_is_its_definition_and_close_to_f32(target, feature_major, rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 13, 16, 17, 40, 70])
+def test_kernel_is_its_definition_and_close_to_f32(target, layout, feature_major, rows):
     rng = np.random.default_rng(rows)
     # 3 blocks (odd); 40 columns: two groups of 16 and one padded to 16
     w = (rng.standard_normal((3, 40, 96)) * 0.05).astype(np.float32)
-    m = quantize_int8(w)
+    m = quantize_int8(w, layout)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     got = _call(x, m, 2, feature_major, target)
     want = _definition(x, m, 2, target)
@@ -110,24 +124,28 @@ def test_kernel_is_its_definition_and_close_to_f32(target, feature_major, rows):
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # int8 is close
 
 
-@pytest.mark.parametrize("target", _builds())
-def test_a_rows_result_does_not_depend_on_its_batch(target):
+@pytest.mark.parametrize("target,layout", _cases())
+def test_a_rows_result_does_not_depend_on_its_batch(target, layout):
     rng = np.random.default_rng(3)
-    m = quantize_int8(rng.standard_normal((1, 64, 128)).astype(np.float32))
+    m = quantize_int8(rng.standard_normal((1, 64, 128)).astype(np.float32), layout)
     x = rng.standard_normal((37, 128)).astype(np.float32)
     batch = _call(x, m, 0, True, target)
-    for i in (0, 4, 10, 36):  # register tiles, dequantized tiles, AMX tiles: same sums
+    # register tiles, dequantized tiles, AMX tiles; AVX2 layout 1: rows as lanes from
+    # 16 rows, columns as lanes under 16, in passes of up to 6 rows: same sums
+    for i in (0, 4, 10, 36):
         np.testing.assert_array_equal(_call(x[i:i + 1], m, 0, True, target),
                                       batch[i:i + 1])
+    for lo, hi in ((0, 7), (3, 16), (20, 37)):
+        np.testing.assert_array_equal(_call(x[lo:hi], m, 0, True, target), batch[lo:hi])
 
 
-@pytest.mark.parametrize("target", _builds())
+@pytest.mark.parametrize("target,layout", _cases())
 @pytest.mark.parametrize("feature_major", [False, True])
-def test_zero_rows_are_skipped_and_the_others_keep_their_bits(target, feature_major):
+def test_zero_rows_are_skipped_and_the_others_keep_their_bits(target, layout, feature_major):
     """A bucket's padding rows are zero (model/llama.py): the kernel multiplies only the
     other rows, writes exact zeros for these, and changes no other row's result."""
     rng = np.random.default_rng(5)
-    m = quantize_int8((rng.standard_normal((1, 40, 96)) * 0.1).astype(np.float32))
+    m = quantize_int8((rng.standard_normal((1, 40, 96)) * 0.1).astype(np.float32), layout)
     x = rng.standard_normal((19, 96)).astype(np.float32)
     full = _call(x, m, 0, feature_major, target)
     dead = [1, 2, 7, 12, 13, 14, 15, 16, 17, 18]  # between, and a run at the end
@@ -146,9 +164,10 @@ def test_the_portable_build_computes_the_same():
     lib = _build("sluice_q8_linear_portable", "-march=x86-64")
     assert lib.sluice_q8_avx512() == 0 and lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx2() == 0
     rng = np.random.default_rng(4)
-    m = quantize_int8((rng.standard_normal((2, 12, 64)) * 0.1).astype(np.float32))
+    w = (rng.standard_normal((2, 12, 64)) * 0.1).astype(np.float32)
     x = rng.standard_normal((6, 64)).astype(np.float32)
-    for fm in (False, True):
+    for fm, m in ((False, quantize_int8(w, 0)), (True, quantize_int8(w, 0)),
+                  (True, quantize_int8(w, 1))):
         got = _call(x, m, 1, fm, target="sluice_q8_linear_portable")
         want = _definition(x, m, 1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
