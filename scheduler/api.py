@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .protocol import SamplingParams, TokenLogprob
+from .protocol import SamplingParams
 
 
 @dataclass(slots=True)
