@@ -27,10 +27,11 @@
 // a batch gives each token what it would get alone. Tokens are grouped by slot so that a
 // slot's weights, once loaded, serve several tokens: A in passes of 4 rows x 4 tokens of
 // one slot, B a block of 16 columns x 16 rank rows held in registers for a chunk of 16
-// tokens (b_chunk). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
+// tokens (b_chunk; on AVX2 each rank row widened once for 4 tokens of its slot, their
+// rows added back in 8 x 8 transposes). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
 // tokens for A, blocks of 16 columns for B.
 //
-// (About 400 lines: both phases in their AVX-512, AVX2 and portable forms, the transpositions,
+// (About 470 lines: both phases in their AVX-512, AVX2 and portable forms, the transpositions,
 // the prefetching and the entry point read one packing and change together.)
 
 #include <immintrin.h>
