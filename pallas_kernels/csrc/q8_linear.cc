@@ -442,7 +442,6 @@ inline void dequantize_k16(const uint8_t* wg, int64_t b, int64_t i, __m256 s0, _
   w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u1)), s1, b1);
 }
 
-// Rows [m0, m0 + MT) of x ([T, K]) times G groups (wg.., sg.., columns n0..).
 // One block of few_rows: acc[(m * G + g) * 2 + h] (8 lanes each, L1) += the block's
 // products; in registers for the block's 32 k (GCC kept an accumulator array live across
 // blocks in memory, a store a FMA).
@@ -470,6 +469,7 @@ inline void few_block(const uint8_t* wg, const float* sg, int64_t gw, int64_t gs
   for (int j = 0; j < kAcc; ++j) _mm256_store_ps(acc + 8 * j, a[j]);
 }
 
+// Rows [m0, m0 + MT) of x ([T, K]) times G groups (wg.., sg.., columns n0..).
 template <int MT, int G>
 void few_rows(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_t m0,
               int64_t n0, const Out& out) {
@@ -496,9 +496,9 @@ void few_groups(const uint8_t* wl, const float* sl, const float* x, int64_t k, i
 // t < kLanesRows rows: passes of up to 6 rows, each over the groups [g0, g1).
 void few(const uint8_t* wl, const float* sl, const float* x, int64_t k, int64_t t,
          int64_t g0, int64_t g1, const Out& out) {
-  for (int64_t m = 0; m < t;) {
-    const int64_t r = t - m;
-    switch (r >= 6 ? 6 : r) {
+  for (int64_t m = 0, r; m < t; m += r) {
+    r = std::min<int64_t>(6, t - m);
+    switch (r) {
       case 1: few_groups<1, 2>(wl, sl, x, k, m, g0, g1, out); break;
       case 2: few_groups<2, 2>(wl, sl, x, k, m, g0, g1, out); break;
       case 3: few_groups<3, 2>(wl, sl, x, k, m, g0, g1, out); break;
@@ -506,7 +506,6 @@ void few(const uint8_t* wl, const float* sl, const float* x, int64_t k, int64_t 
       case 5: few_groups<5, 1>(wl, sl, x, k, m, g0, g1, out); break;
       default: few_groups<6, 1>(wl, sl, x, k, m, g0, g1, out); break;
     }
-    m += r >= 6 ? 6 : r;
   }
 }
 
@@ -581,8 +580,7 @@ void group(const uint8_t* wg, const float* sg, const uint16_t* x, int64_t k, int
       float acc = 0.f;
       for (int64_t i = 0; i < k; ++i) {
         const int64_t at = (i / kBlock) * kGroup + j;
-        const int64_t wi = layout == 0 ? at * kBlock + i % kBlock
-                                       : ((i / kBlock) * kBlock + i % kBlock) * kGroup + j;
+        const int64_t wi = layout == 0 ? at * kBlock + i % kBlock : i * kGroup + j;
         const float w = (static_cast<float>(wg[wi]) - 128.f) * sg[at];
         acc += bf16_value(bf16_bits(w)) * bf16_value(x[m * k + i]);
       }
