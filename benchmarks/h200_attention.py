@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -355,7 +354,8 @@ def bench_engine_8b(cfg) -> dict:
                          else (24 << 30), max_context=4096, decode_buckets=(1, batch),
                          prefill_buckets=(64,) if smoke else (512,),
                          mixed_decode_buckets=(0, batch), dtype="bfloat16",
-                         attention="pallas_interpret" if cfg.interpret else None)
+                         attention="pallas_interpret" if cfg.interpret else None,
+                         **cfg.runner_opts)
     del params
     out["runner"] = runner.describe()
     t = time.perf_counter()
@@ -388,16 +388,27 @@ def bench_engine_8b(cfg) -> dict:
     out["prefill_tok_s"] = round(batch * prompt_len / prefill_s, 1)
     out["prefill_one_prompt_ms"] = round(prefill_s / batch * 1e3, 2)
 
-    times = []
-    for k in range(steps):
+    times, host = [], []
+
+    def decode(k):
+        nonlocal last
         t = time.perf_counter()
         res = runner.step(StepPlan([SeqChunk(i, [last[i]], prompt_len + k, tables[i], True,
                                              greedy, num_generated=k + 1)
                                     for i in range(batch)]))
         times.append(time.perf_counter() - t)
+        host.append(res.host_seconds)  # packing the step before its dispatch
         last = {i: res.sampled[i].token_id for i in range(batch)}
+
+    for k in range(steps):
+        decode(k)
     step = float(np.median(times[2:] if len(times) > 4 else times))
     out["decode_step_ms"] = round(step * 1e3, 2)
+    out["decode_host_ms"] = round(float(np.median(host[2:] if len(host) > 4 else host)) * 1e3, 2)
+    if cfg.profile_dir:  # a few more steps under the profiler: where the device time goes
+        with jax.profiler.trace(cfg.profile_dir, create_perfetto_trace=True):
+            for k in range(steps, steps + 3):
+                decode(k)
     out["decode_tok_s"] = round(batch / step, 1)
     weight_bytes = mc.num_params() * 2
     kv_bytes = batch * (prompt_len + steps // 2) * runner.kv_bytes_per_token
@@ -411,7 +422,8 @@ def bench_serving_8b(cfg) -> dict:
     needs trio and msgspec there)."""
     from h200_serving import bench_serving  # benchmarks/ is this script's sys.path[0]
 
-    return bench_serving(smoke=cfg.smoke)
+    return bench_serving(smoke=cfg.smoke, seconds=cfg.serving_seconds,
+                         runner_opts=cfg.runner_opts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,6 +436,9 @@ class Config:
         self.shapes = SHAPES_SMOKE if self.smoke else SHAPES_8B
         self.pool_min_bytes = 0 if self.smoke else POOL_MIN_BYTES
         self.variants = 1 if self.smoke else TABLE_VARIANTS
+        self.serving_seconds = args.serving_seconds
+        self.profile_dir = args.profile_dir
+        self.runner_opts = json.loads(args.runner_opts)
 
 
 def main(argv=None) -> dict:
@@ -434,6 +449,13 @@ def main(argv=None) -> dict:
                    help="only the copy bandwidth and the block-size sweep")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes, Pallas interpret mode, on the CPU: checks it runs")
+    p.add_argument("--serving-seconds", type=float, default=60.0,
+                   help="the serving benchmark's measured window")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="measurements not to run: copy, decode, mixed, engine_8b, serving_8b")
+    p.add_argument("--runner-opts", default="{}",
+                   help='JSON keywords for ModelRunner (e.g. \'{"unrolled_layers": true}\')')
+    p.add_argument("--profile-dir", help="trace three 8B decode steps (perfetto) here")
     p.add_argument("--out", help="also write the JSON result to this file")
     args = p.parse_args(argv)
     cfg = Config(args)
@@ -443,7 +465,8 @@ def main(argv=None) -> dict:
         "env": {"jax": jax.__version__, "python": platform.python_version(),
                 "backend": jax.default_backend(), "device": dev.device_kind,
                 "mode": "cpu-smoke (interpret)" if cfg.smoke else "compiled",
-                "shapes": cfg.shapes, "quick": args.quick},
+                "shapes": cfg.shapes, "quick": args.quick, "runner_opts": cfg.runner_opts,
+                "xla_flags": os.environ.get("XLA_FLAGS", "")},
     }
     if not cfg.smoke and jax.default_backend() != "gpu":
         log("warning: no GPU; this measures nothing useful (use --cpu-smoke on a CPU)")
@@ -453,9 +476,12 @@ def main(argv=None) -> dict:
             with open(args.out, "w") as f:
                 json.dump(partial, f)
 
-    run = functools.partial(guarded, results, save=save)
+    def run(name, fn, *a):
+        if name.split()[0] not in args.skip:
+            guarded(results, name, fn, *a, save=save)
+
     run("copy", bench_copy, (8 << 20) if cfg.smoke else (4 << 30))
-    copy_GBps = results["copy"].get("GBps")
+    copy_GBps = results.get("copy", {}).get("GBps")
 
     if args.sweep_only:
         decode_cases, mixed_cases = [], []

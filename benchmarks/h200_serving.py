@@ -54,7 +54,8 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4)
 
 
-def bench_serving(*, smoke: bool = False, concurrency: int = 64, seconds: float = 60.0) -> dict:
+def bench_serving(*, smoke: bool = False, concurrency: int = 64, seconds: float = 60.0,
+                  runner_opts: dict | None = None) -> dict:
     """`smoke`: tiny shapes and the CPU backend (the kernels' interpret mode is checked by
     the attention benchmark; a serving window needs steps that take milliseconds)."""
     import trio
@@ -81,7 +82,7 @@ def bench_serving(*, smoke: bool = False, concurrency: int = 64, seconds: float 
                          max_context=512 if smoke else 4096, decode_buckets=decode,
                          prefill_buckets=(64,) if smoke else (512,),
                          mixed_decode_buckets=(max(decode),), dtype="bfloat16",
-                         time_all_shapes=True)
+                         time_all_shapes=True, **(runner_opts or {}))
     del params
     t = time.perf_counter()
     runner.warmup()

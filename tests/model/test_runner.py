@@ -226,8 +226,8 @@ def _compare_shared_with_private(runner, rng):
 def test_cpu_and_gpu_layouts_agree(variant):
     """The CPU default keeps the residual stream [hidden, T] with (out, in) weights and
     the MLP weights per layer behind a switch; the GPU path keeps [T, hidden] with (in,
-    out) weights, all stacked. Same logits, mixed step included, for tied embeddings and
-    for an untied lm_head with qkv biases."""
+    out) weights, stacked under a scan or per layer with the loop unrolled. Same logits,
+    mixed step included, for tied embeddings and for an untied lm_head with qkv biases."""
     cfg, params = TINY, random_params(TINY, seed=4)
     if variant != "tied":
         import dataclasses
@@ -241,11 +241,14 @@ def test_cpu_and_gpu_layouts_agree(variant):
             lp["bq"], lp["bk"], lp["bv"] = (rng.standard_normal(n).astype(np.float32) * 0.1
                                             for n in (qd, kd, kd))
     out = []
-    for fm in (True, False):
+    for fm, unrolled in ((True, False), (False, False), (False, True)):
         r = ModelRunner(cfg, params, page_size=8, num_pages=32, max_context=256,
                         decode_buckets=(2,), prefill_buckets=(64,), block_q=8,
-                        max_prefill_seqs=2, feature_major=fm, switched_mlp=fm)
+                        max_prefill_seqs=2, feature_major=fm, switched_mlp=fm,
+                        unrolled_layers=unrolled)
         assert r.describe()["feature_major"] is fm and r.describe()["switched_mlp"] is fm
+        assert r.describe()["unrolled_layers"] is unrolled
+        assert isinstance(r.params["layers"]["attn"], tuple) is unrolled
         r.warmup()
         toks = list(range(3, 23))
         r.step(StepPlan([chunk(0, toks, 0, [1, 2, 3]), chunk(1, toks[:9], 0, [4, 5, 6])]))
@@ -254,6 +257,7 @@ def test_cpu_and_gpu_layouts_agree(variant):
         out.append(res.logits)
     for s in (0, 1):
         np.testing.assert_allclose(out[0][s], out[1][s], atol=1e-4)
+        np.testing.assert_allclose(out[2][s], out[1][s], atol=1e-5)
 
 
 def test_prefix_copy_follows_the_longer_prefix_and_gathers_the_other():
