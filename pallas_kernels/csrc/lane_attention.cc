@@ -69,6 +69,9 @@ constexpr int kChunk = 16;             // keys of one page scored together
 constexpr int kMaxKeys = 32;           // keys of one softmax step at most (AMX: a tile's depth)
 constexpr int64_t kPartKeys = 512;     // a walk is split in parts of at least this many keys
 constexpr float kNeg = -1e30f;
+// The AVX2 walk prefetches the chunk this many ahead (the next one only left the
+// widening of each chunk waiting on memory; docs/benchmarks.md, twenty-seventh session).
+constexpr int64_t kAhead = 4;
 
 struct Pool {
   const void *k, *v;  // float, or uint16_t holding bf16 bits (`bits`; widened as read)
@@ -294,7 +297,10 @@ inline void scores8(const Lanes& L, const float* const* kp, int64_t n, int64_t d
       for (int kk = 0; kk < kKeys; ++kk) a[u][kk] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; ++c) {
       __m256 qv[VB];
-      for (int u = 0; u < VB; ++u) qv[u] = _mm256_load_ps(L.qt[c] + 8 * (v + u));
+      for (int u = 0; u < VB; ++u) {
+        qv[u] = _mm256_load_ps(L.qt[c] + 8 * (v + u));
+        asm("" : "+x"(qv[u]));  // loaded once for the keys (GCC re-read it per FMA)
+      }
       for (int kk = 0; kk < kKeys; ++kk) {
         const __m256 b = _mm256_broadcast_ss(kp[i + kk] + c);
         for (int u = 0; u < VB; ++u) a[u][kk] = _mm256_fmadd_ps(qv[u], b, a[u][kk]);
@@ -316,7 +322,10 @@ inline void values8(Lanes& L, const float* const* vp, int64_t n, int64_t c, int 
                               _mm256_load_ps(corr + 8 * (v + u)));
   for (int i = 0; i < n; ++i) {
     __m256 pv[VB];
-    for (int u = 0; u < VB; ++u) pv[u] = _mm256_load_ps(s + i * kMaxLanes + 8 * (v + u));
+    for (int u = 0; u < VB; ++u) {
+      pv[u] = _mm256_load_ps(s + i * kMaxLanes + 8 * (v + u));
+      asm("" : "+x"(pv[u]));  // loaded once for the dimensions, as above
+    }
     for (int j = 0; j < kDims; ++j) {
       const __m256 b = _mm256_broadcast_ss(vp[i] + c + j);
       for (int u = 0; u < VB; ++u) a[u][j] = _mm256_fmadd_ps(pv[u], b, a[u][j]);
@@ -337,6 +346,7 @@ void walk8(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t
   alignas(64) float corr[kMaxLanes];
   alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 8];
   alignas(64) float vw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 8];
+  for (int64_t j = 0; j + 1 < kAhead; ++j) prefetch_chunk<T>(P, table, h, t0 + j * kChunk, t1);
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
     const float* kp[kChunk];
@@ -349,7 +359,7 @@ void walk8(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t
         }
     }
     chunk_rows<T>(P, at, n, kw, vw, kp, vp);
-    prefetch_chunk<T>(P, table, h, t + n, t1);
+    prefetch_chunk<T>(P, table, h, t + n + (kAhead - 1) * kChunk, t1);
     for (int v = 0; v < nv; v += 2) {
       if (v + 1 < nv) scores8<2>(L, kp, n, d, v, s);
       else scores8<1>(L, kp, n, d, v, s);
