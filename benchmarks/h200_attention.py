@@ -29,6 +29,9 @@ different pages of a pool larger than the L2 cache (so repeated calls do not rea
 cache). The median of several timings is reported.
 
 The last line printed is one JSON object with everything.
+
+(About 530 lines: every measurement of an accelerator lease in one script, so that one
+command on a freshly started machine takes them all; `--skip` leaves parts out.)
 """
 
 from __future__ import annotations

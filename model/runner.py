@@ -17,7 +17,7 @@ Every device program it launches goes through one of its `_dev_*` calls, whose a
 are host data: a multi-host replica's process 0 sends each one to the other processes
 first (`mirror`, model/multihost.py), so they run the same programs in the same order.
 
-(About 700 lines: the runner owns the device state — KV pool, adapter slots, the f32 or
+(About 750 lines: the runner owns the device state — KV pool, adapter slots, the f32 or
 int8 weights, their placement on devices, compiled programs — and every path that touches
 it is kept here, under one lock, so that the device calls can be listed in one place;
 a step is `launch` (pack, queue the programs) then `collect` (wait, read back), the two
