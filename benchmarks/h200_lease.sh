@@ -26,7 +26,8 @@ fi
 
 t0=$(date +%s)
 timeout "${TEST_S:-120}" python3 -m pytest -c /dev/null --rootdir . -q -p no:cacheprovider \
-  -k "not interpret" tests/pallas_kernels/test_paged_attention.py --maxfail 3 --tb=short --timeout 60 -rs \
+  -k "not interpret" tests/pallas_kernels/test_paged_attention.py --maxfail 3 --tb=short \
+  --timeout 60 -rs \
   > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? in $(( $(date +%s) - t0 )) s"; tail -15 "$OUT/pytest.log"
 

@@ -16,10 +16,11 @@ whatever the depth, so a shape compiles in a second or two and its executable st
 memory per shape; docs/benchmarks.md). Weights are stacked per layer, except on the CPU
 the MLP's, kept per layer behind a switch (`_per_layer`). On a GPU every layer's weights
 stay per layer and the loop is unrolled: XLA:GPU copied each layer's slice of a stacked
-weight before its matmul (an H200 8B decode step: 17.3 ms scanned, 10.3 ms unrolled). The KV pool is one array for K
-and one for V, `[layers * pages, page_size, kv_heads, head_dim]`, carried through the
-scan and written in place (the caller donates it); layer l's pages start at row
-`l * pages`, so attention reads a layer through a page offset, never a copy.
+weight before its matmul (an H200 8B decode step: 17.3 ms scanned, 10.3 ms unrolled).
+The KV pool is one array for K and one for V, `[layers * pages, page_size, kv_heads,
+head_dim]`, carried through the layers and written in place (the caller donates it);
+layer l's pages start at row `l * pages`, so attention reads a layer through a page
+offset, never a copy.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ class StepBatch:
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
                    switched_mlp: bool = False, unrolled: bool = False, int8: bool = False,
-                   shards: int = 1,
-                   place=None) -> dict:
+                   shards: int = 1, place=None) -> dict:
     """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
     layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
     or (the MLP's, with `switched_mlp`; both groups', with `unrolled`) kept one dict per
