@@ -81,9 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-target", type=float, metavar="S",
                    help="plan every step within S seconds: the number of streams follows "
                         "(default: the config's itl_target_s, 0 = off)")
-    s.add_argument("--quantization", choices=["auto", "none", "int8"],
+    s.add_argument("--quantization", choices=["auto", "none", "int8", "q4_1"],
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
-                        "multiplied by the native kernel (default: the config's)")
+                        "multiplied by the native kernel; q4_1 the projections in Q4_1 "
+                        "blocks times int8 activations (default: the config's)")
     s.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
                    help="what the KV pool stores; auto: bfloat16 beside int8 weights on "
                         "the CPU (twice the tokens, AMX attention), else the model's dtype "

@@ -1,11 +1,14 @@
-"""The int8-weight kernel against XLA:CPU's f32 matmul, per token-row count (issue 20).
+"""The int8-weight and Q4_1 kernels against XLA:CPU's f32 matmul, per token-row count
+(issue 20).
 
 The embedded model's shapes with random weights: the four projections of 30 layers
 (q/k/v 960 x 576, attention output 576 x 576, gate/up 3072 x 576, down 576 x 1536), each
 layer's weight passed whole as the step does, and the tied lm_head (49,152 x 576), at 1
 to 272 token rows (272: a decode of 16 beside a 256-token prompt chunk), feature-major
 as the CPU runner multiplies. Median of 7, ms. Where the kernel uses AMX, the same
-source built without it (`int8_avx512`) runs beside it. Prints one JSON line.
+source built without it (`int8_avx512`) runs beside it. `q4`: the projections in Q4_1
+blocks times int8 activations (csrc/q4_linear.cc; the lm_head stays int8 there). Prints
+one JSON line.
 
     .venv/bin/python benchmarks/int8_matmul.py [--rows 1,4,16,64,272]
 """
@@ -22,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.bench import median_time
-from model.quant import quantize_int8
+from model.quant import quantize_int8, quantize_q4
 from pallas_kernels import native
-from pallas_kernels.native import available, q8_linear
+from pallas_kernels.native import available, q4_linear, q8_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     f32 = {k: jnp.asarray(rng.standard_normal((30, n, i)).astype(np.float32) * 0.02)
            for k, (n, i) in SHAPES.items()}
     i8 = {k: quantize_int8(np.asarray(w)) for k, w in f32.items()}
+    q4 = {k: quantize_q4(np.asarray(w)) for k, w in f32.items()}
     head = rng.standard_normal((1, 49152, 576)).astype(np.float32) * 0.02
     head_f32, head_i8 = jnp.asarray(head[0]), quantize_int8(head)
 
@@ -60,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         def run(x):
             def body(acc, i):
                 for k, (_, n_in) in SHAPES.items():
-                    if target:
+                    if target == "q4":
+                        y = q4_linear(x[:n_in], q4[k].q, i, feature_major=True)
+                    elif target:
                         m = i8[k]
                         y = q8_linear(x[:n_in], m.q, m.scale, i, feature_major=True,
                                       layout=m.layout, target=target)
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         heads[name] = jax.jit(lambda x, t=target: q8_linear(
             x[:576], head_i8.q, head_i8.scale, 0, feature_major=True,
             layout=head_i8.layout, target=t)[0, 0])
-    runs = {"f32": layers(None), **{name: layers(t) for name, t in targets.items()}}
+    runs = {"f32": layers(None), **{name: layers(t) for name, t in targets.items()},
+            "q4": layers("q4")}
     out = []
     for rows in map(int, args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((1536, rows)).astype(np.float32))

@@ -17,8 +17,9 @@ Medians of `--repeats` runs. Prints one JSON line: {"cases": [...]}.
     .venv/bin/python benchmarks/profile_step.py [--repeats 5] [--quick] [--quantization int8]
         [--rows 1,16] [--contexts 100,2000] [--no-mixed]
 
-With `--quantization int8` the runner holds int8 weights (model/quant.py) and the
-projections and the lm_head are timed through the native kernel, as every shape runs them.
+With `--quantization int8` (or `q4_1`) the runner holds int8 (Q4_1) weights
+(model/quant.py) and the projections and the lm_head are timed through the native
+kernels, as every shape runs them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from config.settings import PoolConfig
 from model.bench import median_time
 from model.llama import _per_layer, head_logits
 from model.packing import pack, split
-from model.quant import Int8Matrix, linear
+from model.quant import Int8Matrix, Q4Matrix, linear
 from model.runner import ModelRunner
 from model.weights import load_model
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
@@ -106,6 +107,8 @@ class Profiler:
         w = first[name]
         if isinstance(w, Int8Matrix):  # stacked (layers, out, in)
             n_in = w.q.shape[2]
+        elif isinstance(w, Q4Matrix):  # (layers, out / 8, in / 32, 160)
+            n_in = w.q.shape[2] * 32
         else:
             w = w if isinstance(weights, tuple) else w[0]
             n_in = w.shape[1] if self.fm else w.shape[0]
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="16 rows at 2k only")
-    ap.add_argument("--quantization", default="none", choices=("none", "int8"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "q4_1"))
     ap.add_argument("--rows", default=None, help="row counts, e.g. 1,16 (default 1,4,16)")
     ap.add_argument("--contexts", default=None, help="e.g. 100,2000 (default 100,2000,6000)")
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed step")

@@ -34,7 +34,7 @@ SYSTEM, SEQS, PS = 2000, 16, 16
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4_1"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args(argv)
     enable_compilation_cache()

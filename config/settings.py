@@ -163,8 +163,12 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # CPU only: "int8" keeps the layers' projections and the lm_head as int8 weights in
     # 32-value blocks, multiplied by the native kernel in every shape (model/quant.py);
     # their f32 copies are not kept. "auto": int8 on the CPU (f32 dtype) where the kernel
-    # builds, else none; "none": the weights as loaded (f32 on the CPU).
-    quantization: Literal["auto", "none", "int8"] = "auto"
+    # builds, else none; "none": the weights as loaded (f32 on the CPU). "q4_1": the
+    # projections in llama.cpp's Q4_1 blocks (a Q4_1 GGUF's own; others quantized at
+    # load) times activations rounded to int8 per block of 32, the lm_head int8: half the
+    # weight bytes and integer products (CPUs with AVX2; docs/benchmarks.md has its
+    # accuracy against f32).
+    quantization: Literal["auto", "none", "int8", "q4_1"] = "auto"
     # What the KV pool stores: "auto" the model's dtype (f32 on the CPU, bf16 on GPUs);
     # "bfloat16" on the CPU keeps bf16 bit patterns that the native attention kernels
     # widen as they read: twice the tokens in `kv_cache_bytes`, half the bytes a step

@@ -152,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sluice bench-engine", description=__doc__)
     ap.add_argument("--model", default="embedded", help="model source (default: embedded)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="auto", choices=("auto", "none", "int8"),
+    ap.add_argument("--quantization", default="auto",
+                    choices=("auto", "none", "int8", "q4_1"),
                     help="int8: the projections and lm_head as int8 weights, multiplied by "
-                         "the CPU's native kernel; auto (the server's default): int8 on "
+                         "the CPU's native kernel; q4_1: the projections in Q4_1 blocks "
+                         "times int8 activations; auto (the server's default): int8 on "
                          "the CPU, none elsewhere; none: the f32 weights")
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--context", type=int, default=512)

@@ -37,7 +37,7 @@ from flax import struct
 from pallas_kernels.backends import to_pool
 
 from .config import ModelConfig
-from .quant import PROJECTIONS, Int8Matrix, linear, quantize_int8
+from .quant import PROJECTIONS, QUANTIZED, linear, quantize_int8, quantize_q4
 from .tp import interleave
 
 
@@ -58,16 +58,17 @@ class StepBatch:
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
-                   switched_mlp: bool = False, unrolled: bool = False, int8: bool = False,
-                   shards: int = 1, place=None) -> dict:
+                   switched_mlp: bool = False, unrolled: bool = False,
+                   quantization: str = "none", shards: int = 1, place=None) -> dict:
     """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
     layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
     or (the MLP's, with `switched_mlp`; both groups', with `unrolled`) kept one dict per
     layer (see `_per_layer`; `forward` unrolls its layer loop over per-layer attention
     weights).
-    `int8`: the four projections of every layer and the lm_head become `Int8Matrix`
-    (model/quant.py, the CPU's native kernel), stacked, quantized from the loader's f32
-    one tensor at a time: their f32 copies are never made on the device.
+    `quantization` "int8": the four projections of every layer and the lm_head become
+    `Int8Matrix` (model/quant.py, the CPU's native kernel), stacked, quantized from the
+    loader's f32 one tensor at a time: their f32 copies are never made on the device.
+    "q4_1": the projections become `Q4Matrix` (Q4_1 blocks), the lm_head int8.
 
     The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
     `forward(..., feature_major=True)` multiplies from the left (see there). Host copies
@@ -78,6 +79,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     and v heads (gate and up features), as `forward` on that device expects; `place(name,
     host array)` puts each tensor on the device(s) (default: `jnp.asarray`)."""
     put = place or (lambda name, a: jnp.asarray(a))
+    quantize = {"int8": quantize_int8, "q4_1": quantize_q4}.get(quantization)
 
     def matrix(a):
         return np.ascontiguousarray(a.T) if feature_major else a
@@ -98,7 +100,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
         groups["attn"]["bqkv"] = lambda lp: interleave([lp["bq"], lp["bk"], lp["bv"]], shards, 0)
     layers: dict = {}
     for group, tensors in groups.items():
-        if (unrolled or (group == "mlp" and switched_mlp)) and not int8:
+        if (unrolled or (group == "mlp" and switched_mlp)) and not quantize:
             layers[group] = tuple({name: put(name, np.asarray(get(lp), dtype))
                                    for name, get in tensors.items()} for lp in params["layers"])
             continue
@@ -108,16 +110,15 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
             host = np.empty((cfg.num_layers, *first.shape), np.dtype(dtype))
             for i, lp in enumerate(params["layers"]):
                 host[i] = get(lp)
-            if int8 and name in PROJECTIONS:  # the kernel's (out, in), whatever the layout
-                layers[group][name] = quantize_int8(host if feature_major
-                                                    else host.swapaxes(1, 2))
+            if quantize and name in PROJECTIONS:  # the kernel's (out, in), whatever the layout
+                layers[group][name] = quantize(host if feature_major else host.swapaxes(1, 2))
             else:
                 layers[group][name] = put(name, host)
             del host
     out = {"embed": put("embed", np.asarray(params["embed"], dtype)),
            "final_norm": put("final_norm", np.asarray(params["final_norm"], dtype)),
            "layers": layers}
-    if int8:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
+    if quantize:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
         head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
         out["head_int8"] = quantize_int8(np.asarray(head, np.float32)[None])
     elif not cfg.tie_embeddings:
@@ -152,9 +153,9 @@ def _per_layer(weights, i, fn, *args):
     switch whose branches multiply by one layer's arrays directly (the CPU's MLP, 75% of
     a layer's bytes, `prepare_params(switched_mlp=True)`: docs/benchmarks.md has the step
     times and memory of each)."""
-    if isinstance(weights, dict):  # an Int8Matrix is told its layer, not sliced
-        return fn(jax.tree.map(lambda w: w.at_layer(i) if isinstance(w, Int8Matrix) else w[i],
-                               weights, is_leaf=lambda w: isinstance(w, Int8Matrix)), *args)
+    if isinstance(weights, dict):  # quantized weights are told their layer, not sliced
+        return fn(jax.tree.map(lambda w: w.at_layer(i) if isinstance(w, QUANTIZED) else w[i],
+                               weights, is_leaf=lambda w: isinstance(w, QUANTIZED)), *args)
     if isinstance(i, int):  # an unrolled layer loop: the layer's own arrays
         return fn(weights[i], *args)
     return jax.lax.switch(i, [functools.partial(fn, lp) for lp in weights], *args)
@@ -228,7 +229,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     t = b.tokens.shape[0]
     fm = feature_major
     # Feature-major helpers: `lin` multiplies, `rows` takes feature rows [a, b) as [T, n].
-    lin = functools.partial(linear, feature_major=fm)  # an Int8Matrix: the native kernel
+    lin = functools.partial(linear, feature_major=fm)  # quantized: the native kernels
     rows = (lambda a, lo, hi: a[lo:hi].T) if fm else (lambda a, lo, hi: a[:, lo:hi])
     ax = 0 if fm else -1
     # A bucket's padding rows (slot 0: the null page) stay exactly zero through every

@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+NATIVE_WEIGHTS = ("int8", "q4_1")  # `quantization` settings served by the native kernels
 BLOCK = 32  # input values per scale
 GROUP = 16  # output columns packed together
 
@@ -109,9 +110,103 @@ def dequantize_int8(m: Int8Matrix) -> np.ndarray:
     return w.reshape(n_l, n, k)[:, :m.n]
 
 
+Q4_COLS = 8  # output columns of a Q4Matrix group
+Q4_BYTES = 160  # a group's block: 128 bytes of 4-bit q, 8 f16 scales, 8 f16 minimums
+
+
+@struct.dataclass
+class Q4Matrix:
+    """`layers` matrices (out, in) in llama.cpp's Q4_1 blocks (per 32 input values of an
+    output row: q in 0..15, f16 scale d and minimum m; weight = d q + m), packed for the
+    native kernel (csrc/q4_linear.cc has the layout), which multiplies them by the
+    activations quantized to int8 (llama.cpp's Q4_1 x Q8_1). `layer`: as Int8Matrix's."""
+
+    q: jax.Array  # uint8 [layers, out / 8, in / 32, 160]
+    layer: jax.Array = struct.field(default_factory=lambda: np.zeros((), np.int32))
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[1] * Q4_COLS
+
+    def at_layer(self, i) -> "Q4Matrix":
+        return self.replace(layer=i)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes
+
+
+QUANTIZED = (Int8Matrix, Q4Matrix)
+
+
+def quantize_q4(w: np.ndarray) -> Q4Matrix:
+    """Q4Matrix of f32 matrices `w` [layers, out, in] (out a multiple of 8, in of 32): per
+    block, m = its minimum and d = (max - m) / 15, both rounded to f16 as the file format
+    stores them, and q = round((w - m) / d) with those rounded values. Weights that were
+    read from Q4_1 blocks (the embedded GGUF's projections) come back to exactly their
+    blocks: this is how a GGUF's Q4_1 tensors reach the kernel unchanged (the loader hands
+    over f32; `tests/model/test_quant.py` checks the round trip)."""
+    n_l, n, k = np.shape(w)
+    if k % BLOCK or n % Q4_COLS:
+        raise ValueError(f"Q4_1 weights need out % {Q4_COLS} == 0 and in % {BLOCK} == 0, "
+                         f"not {(n, k)}")
+    return Q4Matrix(_quantize_q4(jnp.asarray(w, jnp.float32)))
+
+
+@jax.jit
+def _quantize_q4(w):
+    n_l, n, k = w.shape
+    kb = k // BLOCK
+    blocks = w.reshape(n_l, n, kb, BLOCK)
+    lo, hi = blocks.min(-1), blocks.max(-1)
+    m16 = lo.astype(jnp.float16)
+    d16 = ((hi - lo) / 15.0).astype(jnp.float16)
+    d, m = d16.astype(jnp.float32), m16.astype(jnp.float32)
+    inv = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
+    q = jnp.clip(jnp.round((blocks - m[..., None]) * inv[..., None]), 0, 15).astype(jnp.uint8)
+    # q [l, n, kb, 32] -> [l, n/8, kb, half, v, c, j]: value 16 half + 4 v + j of column c
+    # goes to byte 32 v + 4 c + j, low nibble for half 0, high for half 1.
+    q = q.reshape(n_l, n // Q4_COLS, Q4_COLS, kb, 2, 4, 4).transpose(0, 1, 3, 4, 5, 2, 6)
+    nib = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n_l, n // Q4_COLS, kb, 128)
+
+    def f16_bytes(a):  # [l, n, kb] f16 -> [l, n/8, kb, 16] bytes
+        a = a.reshape(n_l, n // Q4_COLS, Q4_COLS, kb).transpose(0, 1, 3, 2)
+        return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(n_l, n // Q4_COLS, kb, 16)
+
+    return jnp.concatenate([nib, f16_bytes(d16), f16_bytes(m16)], axis=-1)
+
+
+def q4_blocks(m: Q4Matrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q uint8 [layers, out, in], d and m f32 [layers, out, in / 32]) of a Q4Matrix."""
+    p = np.asarray(m.q)
+    n_l, ng, kb, _ = p.shape
+    nib = p[..., :128].reshape(n_l, ng, kb, 4, Q4_COLS, 4)  # [.., v, c, j]
+    q = np.stack([nib & 15, nib >> 4], axis=3)  # [.., half, v, c, j]
+    q = q.transpose(0, 1, 5, 2, 3, 4, 6).reshape(n_l, ng * Q4_COLS, kb * BLOCK)
+
+    def f32(a):  # [l, ng, kb, 16] bytes -> [l, n, kb]
+        a = np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # [l, ng, kb, 8]
+        return a.transpose(0, 1, 3, 2).reshape(n_l, ng * Q4_COLS, kb)
+
+    return q, f32(p[..., 128:144]), f32(p[..., 144:160])
+
+
+def dequantize_q4(m: Q4Matrix) -> np.ndarray:
+    """The f32 matrices [layers, out, in] a Q4Matrix stands for (tests, accuracy)."""
+    q, d, mn = q4_blocks(m)
+    n_l, n, k = q.shape
+    w = q.reshape(n_l, n, k // BLOCK, BLOCK) * d[..., None] + mn[..., None]
+    return w.reshape(n_l, n, k).astype(np.float32)
+
+
 def linear(x, w, *, feature_major: bool):
     """x times w: `w @ x` feature-major ([in, T] -> [out, T]), else `x @ w`. An
-    `Int8Matrix` runs the native kernel (its `layer`), a float array as it is."""
+    `Int8Matrix` or `Q4Matrix` runs its native kernel (its `layer`), a float array as it
+    is."""
+    if isinstance(w, Q4Matrix):
+        from pallas_kernels.native import q4_linear
+
+        return q4_linear(x, w.q, w.layer, feature_major=feature_major).astype(x.dtype)
     if not isinstance(w, Int8Matrix):
         return w @ x if feature_major else x @ w
     from pallas_kernels.native import q8_linear
@@ -121,6 +216,6 @@ def linear(x, w, *, feature_major: bool):
 
 
 def quantized_bytes(params: dict) -> int:
-    """Bytes of the int8 weights and their scales in `params` (0: none)."""
-    nodes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8Matrix))
-    return sum(m.nbytes for m in nodes if isinstance(m, Int8Matrix))
+    """Bytes of the quantized weights (and their scales) in `params` (0: none)."""
+    nodes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QUANTIZED))
+    return sum(m.nbytes for m in nodes if isinstance(m, QUANTIZED))

@@ -49,7 +49,7 @@ from .adapter_slots import LoraSlots, native_available as native_lora_available
 from .config import ModelConfig
 from .inflight import Launched, ReadyTimes
 from .llama import StepBatch, forward, prepare_params, rope_inv_freq
-from .quant import quantized_bytes
+from .quant import NATIVE_WEIGHTS, quantized_bytes
 from .scoring import PromptScorer
 from .packing import Bucket, StepLayout, dummy_layout, pack, sample_rows, split
 from .multihost import mirrored
@@ -113,9 +113,9 @@ class ModelRunner:
             if adapter_slots:
                 raise ValueError("LoRA adapters (max_loras) need tensor_parallel = 1: the "
                                  "adapter slots are not sharded yet")
-            if quantization == "int8":
-                raise ValueError("quantization 'int8' needs tensor_parallel = 1 (the native "
-                                 "CPU kernel's weights are not sharded)")
+            if quantization in NATIVE_WEIGHTS:
+                raise ValueError(f"quantization {quantization!r} needs tensor_parallel = 1 (the "
+                                 "native CPU kernels' weights are not sharded)")
             quantization = "none"  # "auto" too
             if attention in (None, "cpu"):  # its prefix copy is state kept across steps
                 attention_options = {"prefix_copy_tokens": 0, **(attention_options or {})}
@@ -152,9 +152,10 @@ class ModelRunner:
         # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
         # CPU backend's native kernel in every shape; their f32 copies are not kept.
         # "auto": int8 on the CPU where the kernel builds with a fast path (AMX, AVX-512,
-        # AVX2), else the weights' dtype.
-        if quantization not in ("auto", "none", "int8"):
-            raise ValueError(f"quantization must be 'auto', 'none' or 'int8', not "
+        # AVX2), else the weights' dtype. "q4_1": the projections in Q4_1 blocks times
+        # int8 activations (opt-in: the activations' rounding, docs/benchmarks.md).
+        if quantization not in ("auto", "none", *NATIVE_WEIGHTS):
+            raise ValueError(f"quantization must be 'auto', 'none', 'int8' or 'q4_1', not "
                              f"{quantization!r}")
         if quantization == "auto":
             quantization = "none"
@@ -166,13 +167,13 @@ class ModelRunner:
                     quantization = "int8"
                 else:
                     log.warning("int8 weights unavailable, serving f32: %s", why)
-        if quantization == "int8":
+        if quantization in NATIVE_WEIGHTS:
             from pallas_kernels.native import NativeUnavailable, available
 
             ok, why = available()
             if not ok:
-                raise NativeUnavailable(f"quantization 'int8' needs the CPU's native kernel: "
-                                        f"{why}")
+                raise NativeUnavailable(f"quantization {quantization!r} needs the CPU's "
+                                        f"native kernels: {why}")
         self.quantization = quantization
         self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n,
                                                         attention_options or {})
@@ -207,11 +208,11 @@ class ModelRunner:
         # each layer's slice of a stacked weight before its matmul, half of an 8B decode
         # step (docs/benchmarks.md, "Accelerator (H200)"); it costs compile time.
         self.unrolled_layers = ((jax.default_backend() == "gpu" if unrolled_layers is None
-                                 else unrolled_layers) and quantization != "int8")
+                                 else unrolled_layers) and quantization not in NATIVE_WEIGHTS)
         self.params = prepare_params(
             params, cfg, self.dtype, feature_major=self.feature_major,
             switched_mlp=self.switched_mlp, unrolled=self.unrolled_layers,
-            int8=quantization == "int8", shards=tp_n,
+            quantization=quantization, shards=tp_n,
             place=self.tp.placer(feature_major=self.feature_major) if self.tp else None)
         self._param_specs = (self.tp.param_specs(self.params, feature_major=self.feature_major)
                              if self.tp else None)
@@ -224,7 +225,7 @@ class ModelRunner:
                        bool(adapter_slots) and self.tp is None and native_lora_available())
         self.lora = LoraSlots(
             cfg, adapter_slots, max_rank=max_lora_rank,
-            dtype=jnp.bfloat16 if native_lora and quantization == "int8" else self.dtype,
+            dtype=jnp.bfloat16 if native_lora and quantization in NATIVE_WEIGHTS else self.dtype,
             feature_major=self.feature_major, max_cpu=max_cpu_loras,
             native=native_lora) if adapter_slots else None
         self._inv_freq = rope_inv_freq(cfg)
@@ -272,7 +273,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', not "
                              f"{kv_cache_dtype!r}")
         dtype = self.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
-        if (kv_cache_dtype == "auto" and self.quantization == "int8"
+        if (kv_cache_dtype == "auto" and self.quantization in NATIVE_WEIGHTS
                 and attention in (None, "cpu") and tp_n == 1
                 and attention_options.get("native") is not False):
             dtype = jnp.dtype(jnp.bfloat16)  # int8 means the native kernels are here

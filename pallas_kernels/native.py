@@ -1,5 +1,6 @@
 """The CPU backend's native kernels (`csrc/`): built, loaded and registered with XLA here,
-called through `q8_linear` (the int8-weight matmul, model/quant.py), `lora_delta` (each
+called through `q8_linear` (the int8-weight matmul, model/quant.py), `q4_linear` (Q4_1
+weights times int8 activations, model/quant.py), `lora_delta` (each
 token's own LoRA adapter, model/adapter_slots.py) and
 `decode_attention` (each decode row's own pages), `prefix_attention` (a prefix decode rows
 share, read once for all of them) and `prefill_attention` (prefill blocks), the CPU
@@ -13,7 +14,7 @@ portable loop otherwise), and kept in `$SLUICE_CACHE/native/` (default ~/.cache/
 under a key of the source, the compiler, the flags, jaxlib's version and the CPU's
 feature flags, so a changed source, toolchain or machine builds anew and nothing stale is
 ever loaded. The
-FFI targets are registered once per process (`sluice_q8_linear`,
+FFI targets are registered once per process (`sluice_q8_linear`, `sluice_q4_linear`,
 `sluice_decode_attention`, `sluice_prefix_attention`, `sluice_prefill_attention`,
 `sluice_lora_delta`).
 
@@ -39,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "q8_linear.cc", CSRC / "decode_attention.cc", CSRC / "lane_attention.cc",
-           CSRC / "lora_delta.cc")
+SOURCES = (CSRC / "q8_linear.cc", CSRC / "q4_linear.cc", CSRC / "decode_attention.cc",
+           CSRC / "lane_attention.cc", CSRC / "lora_delta.cc")
 TARGET = "sluice_q8_linear"
+Q4_TARGET = "sluice_q4_linear"
 ATTENTION_TARGET = "sluice_decode_attention"
 PREFILL_TARGET = "sluice_prefill_attention"
 PREFIX_TARGET = "sluice_prefix_attention"
@@ -115,7 +117,8 @@ def load() -> ctypes.CDLL:
                                 f"{jax.default_backend()!r}")
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
-    for target, symbol in ((ATTENTION_TARGET, lib.SluiceDecodeAttention),
+    for target, symbol in ((Q4_TARGET, lib.SluiceQ4Linear),
+                           (ATTENTION_TARGET, lib.SluiceDecodeAttention),
                            (PREFILL_TARGET, lib.SluicePrefillAttention),
                            (PREFIX_TARGET, lib.SluicePrefixAttention),
                            (LORA_TARGET, lib.SluiceLoraDelta)):
@@ -169,6 +172,20 @@ def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,
     return jax.ffi.ffi_call(target, out)(
         x.astype(jnp.float32), q, scale, jnp.asarray(layer, jnp.int32),
         feature_major=np.int32(feature_major), layout=np.int32(layout))
+
+
+def q4_linear(x, w, layer, *, feature_major: bool, target: str = Q4_TARGET):
+    """x times layer `layer` of Q4_1 weights packed by model/quant.py (`Q4Matrix`, w uint8
+    [L, N/8, K/32, 160]), x quantized to int8 per row and block of 32 by the kernel
+    (csrc/q4_linear.cc): x [K, T] -> [N, T] if `feature_major`, else [T, K] -> [T, N]; f32."""
+    if target == Q4_TARGET:
+        load()
+    n = w.shape[1] * 8
+    t = x.shape[1] if feature_major else x.shape[0]
+    out = jax.ShapeDtypeStruct((n, t) if feature_major else (t, n), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(
+        x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32),
+        feature_major=np.int32(feature_major))
 
 
 def lora_delta(y, x, a, b, slots, layer, bounds, *, feature_major: bool,

@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "dense_rows.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -93,23 +94,7 @@ inline float bf16_value(uint16_t h) {
   return f;
 }
 
-struct Out {
-  float* p;
-  int64_t sm, sn;  // strides of a row m and a column n
-  int64_t n;       // columns (the packed weights may have up to 15 more, all zero)
-  const int64_t* rows = nullptr;  // row m of the product is out's row rows[m] (null: m)
-  const int64_t* zero = nullptr;  // out's rows left at zero (no product row), `zeros` many
-  int64_t zeros = 0;
-  int64_t at(int64_t m) const { return rows ? rows[m] : m; }
-  void set(int64_t m, int64_t c, float v) const {
-    if (c < n) p[at(m) * sm + c * sn] = v;
-  }
-  // Columns [c0, c1) of the rows left at zero.
-  void clear(int64_t c0, int64_t c1) const {
-    for (int64_t i = 0; i < zeros; ++i)
-      for (int64_t c = c0; c < std::min(c1, n); ++c) p[zero[i] * sm + c * sn] = 0.f;
-  }
-};
+using sluice::Out;
 
 #ifdef SLUICE_Q8_AVX512
 // Rows [m0, m0 + MT) by columns j0..j0 + NT of the group of 4 whose packed weights start
@@ -682,46 +667,10 @@ ffi::Error Q8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (t == 0) return ffi::Error::Success();
   const uint8_t* wl = w.typed_data() + l * np * k;
   const float* sl = ws.typed_data() + l * np * (k / kBlock);
-  float* of = out->typed_data();
-  // The activations as [T, K] (transposed from feature-major into a buffer reused across
-  // calls: no allocation in steady state).
-  thread_local std::vector<float> rows;
   const float* xr = x.typed_data();
-  if (fm && t > 1) {
-    rows.resize(t * k);
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t m = 0; m < t; ++m) rows[m * k + i] = xr[i * t + m];
-    xr = rows.data();
-  }
-  // Rows that are all zero give zero results: a bucket's padding rows are such rows
-  // (model/llama.py keeps them at zero), so only the others are multiplied and a step
-  // costs its real rows, not its bucket's. A row's result does not depend on the other
-  // rows of its call (every path), so leaving rows out changes no other row's bits.
-  thread_local std::vector<int64_t> live, dead;
-  live.clear();
-  dead.clear();
-  for (int64_t m = 0; m < t; ++m) {
-    const float* row = xr + m * k;
-    int64_t i = 0;
-    while (i < k && row[i] == 0.f) ++i;
-    (i < k ? live : dead).push_back(m);
-  }
-  const int64_t tl = static_cast<int64_t>(live.size());
-  if (tl == 0) {
-    std::memset(of, 0, sizeof(float) * t * n);
-    return ffi::Error::Success();
-  }
-  Out o{of, fm ? 1 : n, fm ? t : 1, n};
-  if (tl < t) {  // the live rows gathered as [tl, K]; their products go to their rows
-    thread_local std::vector<float> xc;
-    xc.resize(tl * k);
-    for (int64_t r = 0; r < tl; ++r)
-      std::memcpy(xc.data() + r * k, xr + live[r] * k, sizeof(float) * k);
-    xr = xc.data();
-    o.rows = live.data();
-    o.zero = dead.data();
-    o.zeros = t - tl;
-  }
+  Out o{nullptr, 0, 0, 0};
+  const int64_t tl = sluice::live_rows(xr, t, k, fm, out->typed_data(), n, o);
+  if (tl == 0) return ffi::Error::Success();
   multiply(pool, xr, tl, k, wl, sl, np, o, layout);
   return ffi::Error::Success();
 }

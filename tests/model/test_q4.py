@@ -1,0 +1,181 @@
+"""Q4_1 weights times int8 activations (model/quant.py `Q4Matrix`, csrc/q4_linear.cc):
+a GGUF's Q4_1 blocks reach the kernel unchanged; the kernel against its definition in
+numpy (integer block sums, then the f32 steps in order); a row's result independent of
+its batch and of the zero rows beside it; the portable build bit for bit the same as the
+vector one; the runner on a tiny random model against the f32 runner."""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from model.quant import PROJECTIONS, Q4Matrix, dequantize_q4, q4_blocks, quantize_q4
+from model.runner import ModelRunner
+from pallas_kernels import native
+from tests.model.test_quant import _step_logits
+from tests.model.test_runner import TINY, random_params
+
+pytestmark = pytest.mark.skipif(not native.available()[0],
+                                reason=f"native kernel: {native.available()[1]}")
+
+
+def _gguf_q4_1(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The GGUF bytes of Q4_1 blocks (ggml's block_q4_1: f16 d, f16 m, then 16 bytes,
+    byte j holding value j in its low nibble and value j + 16 in its high one), written
+    here from the format's definition, not by the code under test."""
+    rows, nb, _ = q.shape
+    out = np.zeros((rows, nb, 20), np.uint8)
+    out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 2:4] = m.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
+    return out.reshape(rows, nb * 20)
+
+
+def test_a_gguf_files_q4_1_blocks_reach_the_kernel_unchanged():
+    """The loader hands over f32 (gguf's own dequantization); quantize_q4 finds the very
+    blocks again: same q, same f16 scales and minimums."""
+    rng = np.random.default_rng(0)
+    rows, nb = 24, 3
+    q = rng.integers(0, 16, (rows, nb, 32)).astype(np.uint8)
+    q[..., 0], q[..., 1] = 0, 15  # as llama.cpp quantizes: each block spans 0..15
+    d = (rng.uniform(1e-3, 3e-2, (rows, nb))).astype(np.float16).astype(np.float32)
+    m = (-7.5 * d + rng.normal(0, 1e-3, (rows, nb))).astype(np.float16).astype(np.float32)
+    w = dequantize(_gguf_q4_1(q, d, m), GGMLQuantizationType.Q4_1).reshape(1, rows, nb * 32)
+    got = quantize_q4(w)
+    gq, gd, gm = q4_blocks(got)
+    np.testing.assert_array_equal(gq[0], q.reshape(rows, nb * 32))
+    np.testing.assert_array_equal(gd[0], d)
+    np.testing.assert_array_equal(gm[0], m)
+    np.testing.assert_array_equal(dequantize_q4(got), w)
+
+
+def test_quantize_packs_blocks_within_half_a_step():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 16, 96)).astype(np.float32)
+    w[1, 3, 32:64] = 0.25  # a constant block: d = 0, every value its minimum
+    m = quantize_q4(w)
+    assert isinstance(m, Q4Matrix) and m.q.dtype == jnp.uint8
+    assert m.q.shape == (2, 2, 3, 160) and m.n == 16 and m.nbytes == 2 * 16 * 96 * 5 // 8
+    back = dequantize_q4(m)
+    blocks = w.reshape(2, 16, 3, 32)
+    step = (blocks.max(-1) - blocks.min(-1)) / 15
+    err = np.abs(back - w).reshape(2, 16, 3, 32)
+    assert (err <= step[..., None] * 0.5 + np.abs(blocks) * 2e-3 + 1e-6).all()  # + f16's
+    assert (back[1, 3, 32:64] == 0.25).all()
+    with pytest.raises(ValueError, match="Q4_1 weights need"):
+        quantize_q4(np.zeros((1, 12, 64), np.float32))
+
+
+def _definition(x: np.ndarray, m: Q4Matrix, layer: int) -> np.ndarray:
+    """The kernel's definition: x [T, K] rounded to int8 per row and block of 32 (dx =
+    max |x| / 127), integer products with the blocks' q, scaled per block by d dx, plus
+    m times the block's sum of x (float64 here: the kernel's f32 steps within 1e-5)."""
+    q, d, mn = q4_blocks(m)
+    q, d, mn = q[layer], d[layer], mn[layer]
+    t, k = x.shape
+    xb = x.reshape(t, k // 32, 32)
+    dx = np.abs(xb).max(-1) / np.float32(127)
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    qx = np.round(xb * inv[..., None]).astype(np.int64)
+    isum = np.einsum("tbi,nbi->tnb", qx, q.reshape(-1, k // 32, 32).astype(np.int64))
+    return ((isum * (d[None] * dx[:, None]).astype(np.float64)).sum(-1)
+            + (mn[None].astype(np.float64) * xb.sum(-1)[:, None]).sum(-1))
+
+
+def _call(x, m, layer, fm, target=native.Q4_TARGET):
+    xin = jnp.asarray(x.T if fm else x)
+    f = jax.jit(lambda x, w, i: native.q4_linear(x, w, i, feature_major=fm, target=target))
+    out = np.asarray(f(xin, m.q, jnp.int32(layer)))
+    return out.T if fm else out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 17])
+@pytest.mark.parametrize("feature_major", [False, True])
+def test_kernel_is_its_definition_and_close_to_f32(feature_major, rows):
+    rng = np.random.default_rng(rows)
+    # 3 blocks; 88 columns: 11 groups of 8 (work items of 8 groups, then 4 at a time, then 1)
+    w = (rng.standard_normal((3, 88, 96)) * 0.05).astype(np.float32)
+    m = quantize_q4(w)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    got = _call(x, m, 2, feature_major)
+    want = _definition(x, m, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = x @ dequantize_q4(m)[2].T  # the weights as they are, x unrounded
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_on_zero_rows():
+    rng = np.random.default_rng(3)
+    m = quantize_q4(rng.standard_normal((1, 72, 128)).astype(np.float32))
+    x = rng.standard_normal((23, 128)).astype(np.float32)
+    batch = _call(x, m, 0, True)
+    for i in (0, 4, 10, 22):
+        np.testing.assert_array_equal(_call(x[i:i + 1], m, 0, True), batch[i:i + 1])
+    for lo, hi in ((0, 2), (3, 6), (5, 13), (6, 23)):
+        np.testing.assert_array_equal(_call(x[lo:hi], m, 0, False), batch[lo:hi])
+    dead = [1, 2, 7, 20, 21, 22]
+    xz = x.copy()
+    xz[dead] = 0.0
+    got = _call(xz, m, 0, True)
+    assert (got[dead] == 0).all()
+    live = [i for i in range(23) if i not in dead]
+    np.testing.assert_array_equal(got[live], batch[live])
+    assert (_call(np.zeros_like(x), m, 0, False) == 0).all()
+
+
+def test_the_portable_build_is_the_vector_build_bit_for_bit():
+    """Both run the same f32 steps on the same exact integer sums (csrc/q4_linear.cc)."""
+    lib = ctypes.cdll.LoadLibrary(str(native.build(
+        ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-march=x86-64"))))
+    assert lib.sluice_q4_avx2() == 0
+    jax.ffi.register_ffi_target("sluice_q4_linear_portable",
+                                jax.ffi.pycapsule(lib.SluiceQ4Linear), platform="cpu")
+    rng = np.random.default_rng(4)
+    m = quantize_q4((rng.standard_normal((2, 24, 64)) * 0.1).astype(np.float32))
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    for fm in (False, True):
+        got = _call(x, m, 1, fm, target="sluice_q4_linear_portable")
+        want = _definition(x, m, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        if native.load().sluice_q4_avx2():
+            np.testing.assert_array_equal(got, _call(x, m, 1, fm))
+
+
+def _q4_born(params: dict) -> dict:
+    """The random model with its projections' weights made Q4_1 values, as a Q4_1 GGUF's
+    are when loaded: then f32 and q4_1 differ only by the activations' rounding."""
+    def born(w):  # (in, out)
+        return dequantize_q4(quantize_q4(np.asarray(w, np.float32).T[None]))[0].T
+
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    layers = [{k: born(v) if k in names else v for k, v in lp.items()}
+              for lp in params["layers"]]
+    return {**params, "layers": layers}
+
+
+@pytest.mark.parametrize("feature_major", [False, True])
+def test_runner_with_q4_1_weights_is_close_to_f32(feature_major):
+    kw = dict(page_size=8, num_pages=40, max_context=256, decode_buckets=(1,),
+              prefill_buckets=(16, 64), mixed_decode_buckets=(0,), block_q=8,
+              max_prefill_seqs=4, feature_major=feature_major)
+    params = _q4_born(random_params(TINY))
+    f32 = ModelRunner(TINY, params, **kw)
+    q4 = ModelRunner(TINY, params, quantization="q4_1", **kw)
+    f32.warmup()
+    q4.warmup()
+    assert q4.describe()["quantization"] == "q4_1" and q4.kv_storage != jnp.float32
+    held = [v for g in q4.params["layers"].values() for k, v in g.items() if k in PROJECTIONS]
+    assert len(held) == 4 and all(isinstance(v, Q4Matrix) for v in held)
+    assert "head_int8" in q4.params
+    for rows in (1, 4):
+        a, b = _step_logits(q4, rows), _step_logits(f32, rows)
+        # int8 activations, the int8 lm_head and the bf16 pool: a few % of the largest logit
+        np.testing.assert_allclose(a, b, atol=0.05 * np.abs(b).max())
+        top5 = np.argsort(b, -1)[:, -5:]
+        assert all(a[i].argmax() in top5[i] for i in range(rows))
