@@ -7,8 +7,8 @@ layer's weight passed whole as the step does, and the tied lm_head (49,152 x 576
 to 272 token rows (272: a decode of 16 beside a 256-token prompt chunk), feature-major
 as the CPU runner multiplies. Median of 7, ms. Where the kernel uses AMX, the same
 source built without it (`int8_avx512`) runs beside it. `q4`: the projections in Q4_1
-blocks times int8 activations (csrc/q4_linear.cc; the lm_head stays int8 there). Prints
-one JSON line.
+blocks times int8 activations, `q8_0` the lm_head in Q8_0 blocks times int8 activations
+(csrc/q4_linear.cc: `quantization = "q4_1"`). Prints one JSON line.
 
     .venv/bin/python benchmarks/int8_matmul.py [--rows 1,4,16,64,272]
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.bench import median_time
-from model.quant import quantize_int8, quantize_q4
+from model.quant import quantize_int8, quantize_q4, quantize_q8_0
 from pallas_kernels import native
 from pallas_kernels.native import available, q4_linear, q8_linear
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     q4 = {k: quantize_q4(np.asarray(w)) for k, w in f32.items()}
     head = rng.standard_normal((1, 49152, 576)).astype(np.float32) * 0.02
     head_f32, head_i8 = jnp.asarray(head[0]), quantize_int8(head)
+    head_q8 = quantize_q8_0(head)
 
     targets = {"int8": native.TARGET}
     if what == "amx":
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         heads[name] = jax.jit(lambda x, t=target: q8_linear(
             x[:576], head_i8.q, head_i8.scale, 0, feature_major=True,
             layout=head_i8.layout, target=t)[0, 0])
+    heads["q8_0"] = jax.jit(lambda x: q4_linear(x[:576], head_q8.q, 0, feature_major=True,
+                                                format=head_q8.format)[0, 0])
     runs = {"f32": layers(None), **{name: layers(t) for name, t in targets.items()},
             "q4": layers("q4")}
     out = []

@@ -37,7 +37,7 @@ from config.settings import PoolConfig
 from model.bench import median_time
 from model.llama import _per_layer, head_logits
 from model.packing import pack, split
-from model.quant import Int8Matrix, Q4Matrix, linear
+from model.quant import Int8Matrix, BlockMatrix, linear
 from model.runner import ModelRunner
 from model.weights import load_model
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
@@ -107,7 +107,7 @@ class Profiler:
         w = first[name]
         if isinstance(w, Int8Matrix):  # stacked (layers, out, in)
             n_in = w.q.shape[2]
-        elif isinstance(w, Q4Matrix):  # (layers, out / 8, in / 32, 160)
+        elif isinstance(w, BlockMatrix):  # (layers, out / 8, in / 32, 160)
             n_in = w.q.shape[2] * 32
         else:
             w = w if isinstance(weights, tuple) else w[0]

@@ -37,7 +37,7 @@ from flax import struct
 from pallas_kernels.backends import to_pool
 
 from .config import ModelConfig
-from .quant import PROJECTIONS, QUANTIZED, linear, quantize_int8, quantize_q4
+from .quant import PROJECTIONS, QUANTIZED, linear, quantize_int8, quantize_q4, quantize_q8_0
 from .tp import interleave
 
 
@@ -68,7 +68,8 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     `quantization` "int8": the four projections of every layer and the lm_head become
     `Int8Matrix` (model/quant.py, the CPU's native kernel), stacked, quantized from the
     loader's f32 one tensor at a time: their f32 copies are never made on the device.
-    "q4_1": the projections become `Q4Matrix` (Q4_1 blocks), the lm_head int8.
+    "q4_1": the projections become Q4_1 `BlockMatrix`es, the lm_head a Q8_0 one (both
+    times int8 activations, as llama.cpp multiplies a Q4_1 GGUF).
 
     The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
     `forward(..., feature_major=True)` multiplies from the left (see there). Host copies
@@ -120,7 +121,8 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
            "layers": layers}
     if quantize:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
         head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
-        out["head_int8"] = quantize_int8(np.asarray(head, np.float32)[None])
+        head_quantize = quantize_q8_0 if quantization == "q4_1" else quantize_int8
+        out["head_int8"] = head_quantize(np.asarray(head, np.float32)[None])
     elif not cfg.tie_embeddings:
         out["lm_head"] = put("lm_head", np.asarray(matrix(np.asarray(params["lm_head"])), dtype))
     return out

@@ -110,25 +110,30 @@ def dequantize_int8(m: Int8Matrix) -> np.ndarray:
     return w.reshape(n_l, n, k)[:, :m.n]
 
 
-Q4_COLS = 8  # output columns of a Q4Matrix group
-Q4_BYTES = 160  # a group's block: 128 bytes of 4-bit q, 8 f16 scales, 8 f16 minimums
+COLS = 8  # output columns of a BlockMatrix group
+Q4_1, Q8_0 = 0, 1  # BlockMatrix formats (the kernel's `format`)
+FORMAT_BYTES = {Q4_1: 160, Q8_0: 272}  # a group's block (csrc/q4_linear.cc)
 
 
 @struct.dataclass
-class Q4Matrix:
-    """`layers` matrices (out, in) in llama.cpp's Q4_1 blocks (per 32 input values of an
-    output row: q in 0..15, f16 scale d and minimum m; weight = d q + m), packed for the
-    native kernel (csrc/q4_linear.cc has the layout), which multiplies them by the
-    activations quantized to int8 (llama.cpp's Q4_1 x Q8_1). `layer`: as Int8Matrix's."""
+class BlockMatrix:
+    """`layers` matrices (out, in) in one of llama.cpp's block formats, per 32 input values
+    of an output row: Q4_1 (q in 0..15, an f16 scale d and minimum m; weight = d q + m)
+    or Q8_0 (q in -127..127, an f16 scale d; weight = d q), packed for the native kernel
+    (csrc/q4_linear.cc has the layout), which multiplies them by the activations
+    quantized to int8 as llama.cpp does (Q4_1 x Q8_1, Q8_0 x Q8_0). `layer`: as
+    Int8Matrix's; `out`: the columns (the packed ones are rounded up to 8)."""
 
-    q: jax.Array  # uint8 [layers, out / 8, in / 32, 160]
+    q: jax.Array  # uint8 [layers, out / 8, in / 32, FORMAT_BYTES[format]]
     layer: jax.Array = struct.field(default_factory=lambda: np.zeros((), np.int32))
+    out: int = struct.field(pytree_node=False, default=0)
+    format: int = struct.field(pytree_node=False, default=Q4_1)
 
     @property
     def n(self) -> int:
-        return self.q.shape[1] * Q4_COLS
+        return self.out or self.q.shape[1] * COLS
 
-    def at_layer(self, i) -> "Q4Matrix":
+    def at_layer(self, i) -> "BlockMatrix":
         return self.replace(layer=i)
 
     @property
@@ -136,64 +141,94 @@ class Q4Matrix:
         return self.q.nbytes
 
 
-QUANTIZED = (Int8Matrix, Q4Matrix)
+QUANTIZED = (Int8Matrix, BlockMatrix)
 
 
-def quantize_q4(w: np.ndarray) -> Q4Matrix:
-    """Q4Matrix of f32 matrices `w` [layers, out, in] (out a multiple of 8, in of 32): per
+def quantize_q4(w: np.ndarray) -> BlockMatrix:
+    """Q4_1 BlockMatrix of f32 matrices `w` [layers, out, in] (in a multiple of 32): per
     block, m = its minimum and d = (max - m) / 15, both rounded to f16 as the file format
     stores them, and q = round((w - m) / d) with those rounded values. Weights that were
     read from Q4_1 blocks (the embedded GGUF's projections) come back to exactly their
     blocks: this is how a GGUF's Q4_1 tensors reach the kernel unchanged (the loader hands
-    over f32; `tests/model/test_quant.py` checks the round trip)."""
+    over f32; `tests/model/test_q4.py` checks the round trip)."""
+    return _block_matrix(w, Q4_1)
+
+
+def quantize_q8_0(w: np.ndarray) -> BlockMatrix:
+    """Q8_0 BlockMatrix of f32 matrices `w` [layers, out, in]: per block d = max |w| / 127
+    rounded to f16, q = round(w / d) (a Q8_0 GGUF tensor's own blocks come back, as
+    `quantize_q4`'s do)."""
+    return _block_matrix(w, Q8_0)
+
+
+def _block_matrix(w, fmt: int) -> BlockMatrix:
     n_l, n, k = np.shape(w)
-    if k % BLOCK or n % Q4_COLS:
-        raise ValueError(f"Q4_1 weights need out % {Q4_COLS} == 0 and in % {BLOCK} == 0, "
-                         f"not {(n, k)}")
-    return Q4Matrix(_quantize_q4(jnp.asarray(w, jnp.float32)))
+    if k % BLOCK:
+        raise ValueError(f"block weights need in % {BLOCK} == 0, not {(n, k)}")
+    return BlockMatrix(_quantize_blocks(jnp.asarray(w, jnp.float32), fmt), out=n, format=fmt)
 
 
-@jax.jit
-def _quantize_q4(w):
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_blocks(w, fmt):
     n_l, n, k = w.shape
-    kb = k // BLOCK
+    if n % COLS:
+        w = jnp.pad(w, ((0, 0), (0, COLS - n % COLS), (0, 0)))
+        n = w.shape[1]
+    kb, ng = k // BLOCK, n // COLS
     blocks = w.reshape(n_l, n, kb, BLOCK)
+
+    def f16_bytes(a):  # [l, n, kb] f16 -> [l, n/8, kb, 16] bytes
+        a = a.reshape(n_l, ng, COLS, kb).transpose(0, 1, 3, 2)
+        return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(n_l, ng, kb, 16)
+
+    def inverse(d):
+        return jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
+
+    if fmt == Q8_0:
+        d16 = (jnp.abs(blocks).max(-1) / 127.0).astype(jnp.float16)
+        q = jnp.clip(jnp.round(blocks * inverse(d16.astype(jnp.float32))[..., None]),
+                     -127, 127).astype(jnp.int8)
+        # q [l, n, kb, 32] -> [l, n/8, kb, v, c, j]: value 4 v + j of column c at byte
+        # 32 v + 4 c + j.
+        q = q.reshape(n_l, ng, COLS, kb, 8, 4).transpose(0, 1, 3, 4, 2, 5)
+        q = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(n_l, ng, kb, 256)
+        return jnp.concatenate([q, f16_bytes(d16)], axis=-1)
     lo, hi = blocks.min(-1), blocks.max(-1)
     m16 = lo.astype(jnp.float16)
     d16 = ((hi - lo) / 15.0).astype(jnp.float16)
     d, m = d16.astype(jnp.float32), m16.astype(jnp.float32)
-    inv = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
-    q = jnp.clip(jnp.round((blocks - m[..., None]) * inv[..., None]), 0, 15).astype(jnp.uint8)
+    q = jnp.clip(jnp.round((blocks - m[..., None]) * inverse(d)[..., None]), 0, 15)
     # q [l, n, kb, 32] -> [l, n/8, kb, half, v, c, j]: value 16 half + 4 v + j of column c
     # goes to byte 32 v + 4 c + j, low nibble for half 0, high for half 1.
-    q = q.reshape(n_l, n // Q4_COLS, Q4_COLS, kb, 2, 4, 4).transpose(0, 1, 3, 4, 5, 2, 6)
-    nib = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n_l, n // Q4_COLS, kb, 128)
-
-    def f16_bytes(a):  # [l, n, kb] f16 -> [l, n/8, kb, 16] bytes
-        a = a.reshape(n_l, n // Q4_COLS, Q4_COLS, kb).transpose(0, 1, 3, 2)
-        return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(n_l, n // Q4_COLS, kb, 16)
-
+    q = q.astype(jnp.uint8).reshape(n_l, ng, COLS, kb, 2, 4, 4).transpose(0, 1, 3, 4, 5, 2, 6)
+    nib = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n_l, ng, kb, 128)
     return jnp.concatenate([nib, f16_bytes(d16), f16_bytes(m16)], axis=-1)
 
 
-def q4_blocks(m: Q4Matrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q uint8 [layers, out, in], d and m f32 [layers, out, in / 32]) of a Q4Matrix."""
+def blocks(m: BlockMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int [layers, out, in], d and m f32 [layers, out, in / 32]) of a BlockMatrix
+    (Q8_0: m is zero), the packing's padding columns dropped."""
     p = np.asarray(m.q)
     n_l, ng, kb, _ = p.shape
-    nib = p[..., :128].reshape(n_l, ng, kb, 4, Q4_COLS, 4)  # [.., v, c, j]
-    q = np.stack([nib & 15, nib >> 4], axis=3)  # [.., half, v, c, j]
-    q = q.transpose(0, 1, 5, 2, 3, 4, 6).reshape(n_l, ng * Q4_COLS, kb * BLOCK)
 
     def f32(a):  # [l, ng, kb, 16] bytes -> [l, n, kb]
         a = np.ascontiguousarray(a).view(np.float16).astype(np.float32)  # [l, ng, kb, 8]
-        return a.transpose(0, 1, 3, 2).reshape(n_l, ng * Q4_COLS, kb)
+        return a.transpose(0, 1, 3, 2).reshape(n_l, ng * COLS, kb)[:, :m.n]
 
-    return q, f32(p[..., 128:144]), f32(p[..., 144:160])
+    if m.format == Q8_0:
+        q = np.ascontiguousarray(p[..., :256]).view(np.int8).reshape(n_l, ng, kb, 8, COLS, 4)
+        q = q.transpose(0, 1, 4, 2, 3, 5).reshape(n_l, ng * COLS, kb * BLOCK)
+        d = f32(p[..., 256:272])
+        return q[:, :m.n], d, np.zeros_like(d)
+    nib = p[..., :128].reshape(n_l, ng, kb, 4, COLS, 4)  # [.., v, c, j]
+    q = np.stack([nib & 15, nib >> 4], axis=3)  # [.., half, v, c, j]
+    q = q.transpose(0, 1, 5, 2, 3, 4, 6).reshape(n_l, ng * COLS, kb * BLOCK)
+    return q[:, :m.n], f32(p[..., 128:144]), f32(p[..., 144:160])
 
 
-def dequantize_q4(m: Q4Matrix) -> np.ndarray:
-    """The f32 matrices [layers, out, in] a Q4Matrix stands for (tests, accuracy)."""
-    q, d, mn = q4_blocks(m)
+def dequantize_blocks(m: BlockMatrix) -> np.ndarray:
+    """The f32 matrices [layers, out, in] a BlockMatrix stands for (tests, accuracy)."""
+    q, d, mn = blocks(m)
     n_l, n, k = q.shape
     w = q.reshape(n_l, n, k // BLOCK, BLOCK) * d[..., None] + mn[..., None]
     return w.reshape(n_l, n, k).astype(np.float32)
@@ -201,12 +236,13 @@ def dequantize_q4(m: Q4Matrix) -> np.ndarray:
 
 def linear(x, w, *, feature_major: bool):
     """x times w: `w @ x` feature-major ([in, T] -> [out, T]), else `x @ w`. An
-    `Int8Matrix` or `Q4Matrix` runs its native kernel (its `layer`), a float array as it
+    `Int8Matrix` or `BlockMatrix` runs its native kernel (its `layer`), a float array as it
     is."""
-    if isinstance(w, Q4Matrix):
+    if isinstance(w, BlockMatrix):
         from pallas_kernels.native import q4_linear
 
-        return q4_linear(x, w.q, w.layer, feature_major=feature_major).astype(x.dtype)
+        return q4_linear(x, w.q, w.layer, feature_major=feature_major, n=w.n,
+                         format=w.format).astype(x.dtype)
     if not isinstance(w, Int8Matrix):
         return w @ x if feature_major else x @ w
     from pallas_kernels.native import q8_linear

@@ -174,18 +174,21 @@ def q8_linear(x, q, scale, layer, *, feature_major: bool, n: int | None = None,
         feature_major=np.int32(feature_major), layout=np.int32(layout))
 
 
-def q4_linear(x, w, layer, *, feature_major: bool, target: str = Q4_TARGET):
-    """x times layer `layer` of Q4_1 weights packed by model/quant.py (`Q4Matrix`, w uint8
-    [L, N/8, K/32, 160]), x quantized to int8 per row and block of 32 by the kernel
-    (csrc/q4_linear.cc): x [K, T] -> [N, T] if `feature_major`, else [T, K] -> [T, N]; f32."""
+def q4_linear(x, w, layer, *, feature_major: bool, n: int | None = None, format: int = 0,
+              target: str = Q4_TARGET):
+    """x times layer `layer` of weights in llama.cpp's blocks packed by model/quant.py
+    (`BlockMatrix`, w uint8 [L, N/8, K/32, bytes]; `format` 0 Q4_1, 1 Q8_0), x quantized
+    to int8 per row and block of 32 by the kernel (csrc/q4_linear.cc): x [K, T] -> [N, T]
+    if `feature_major`, else [T, K] -> [T, N]; f32. `n`: the matrix's columns, when fewer
+    than the packed ones."""
     if target == Q4_TARGET:
         load()
-    n = w.shape[1] * 8
+    n = n or w.shape[1] * 8
     t = x.shape[1] if feature_major else x.shape[0]
     out = jax.ShapeDtypeStruct((n, t) if feature_major else (t, n), jnp.float32)
     return jax.ffi.ffi_call(target, out)(
         x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32),
-        feature_major=np.int32(feature_major))
+        feature_major=np.int32(feature_major), format=np.int32(format))
 
 
 def lora_delta(y, x, a, b, slots, layer, bounds, *, feature_major: bool,

@@ -1,13 +1,12 @@
-// Sluice's native CPU kernel for 4-bit weights: activations times weights in llama.cpp's
-// Q4_1 blocks (32 values of a weight row: 4-bit q in 0..15, an f16 scale d and an f16
-// minimum m; the weight is d * q + m), with the activations quantized to int8 as they
-// come in (per row and block of 32: dx = max |x| / 127, qx = round(x / dx)), as llama.cpp
-// multiplies Q4_1 weights by Q8_1 activations. The products are integer: a block's 32
-// q * qx sum exactly in int16 / int32 lanes (VPMADDUBSW takes unsigned q times signed
-// qx: 4-bit q never saturates its pair sums), then in f32, per row r, column c and block b
-// in order from 0:
+// Sluice's native CPU kernel for weights in llama.cpp's blocks of 32 values of a weight
+// row: Q4_1 (4-bit q in 0..15, an f16 scale d and an f16 minimum m; the weight is d * q +
+// m) or Q8_0 (int8 q, an f16 scale d; d * q), with the activations quantized to int8 as
+// they come in (per row and block of 32: dx = max |x| / 127, qx = round(x / dx)), as
+// llama.cpp multiplies Q4_1 weights by Q8_1 activations and Q8_0 by Q8_0. The products
+// are integer: a block's 32 q * qx sum exactly in int16 / int32 lanes (VPMADDUBSW, below),
+// then in f32, per row r, column c and block b in order from 0:
 //     acc = fma(float(sum_i q[c, i] qx[r, i]), d[c] * dx[r], acc)
-//     acc = fma(m[c], sx[r], acc)                  (sx: the block's sum of x, in order)
+//     acc = fma(m[c], sx[r], acc)      (Q4_1 only; sx: the block's sum of x, in order)
 // the same operations whatever the rows of the call: a row's result does not depend on
 // its batch, and leaving all-zero rows out (dense_rows.h) changes no other row's bits.
 //
@@ -18,16 +17,18 @@
 // each weight; here a VPMADDUBSW does 32 and the weights stay integers, and a weight is
 // 0.625 bytes (Q4_1) instead of 1.125 (docs/benchmarks.md, "Q4_1 weights").
 //
-// Layout:
-//   w     uint8 [L, N/8, K/32, 160]: columns in groups of 8; a group's block b is 160
-//         bytes: 4 vectors of 32 bytes, byte 32v + 4c + j holding q[c, 4v + j] in its low
-//         nibble and q[c, 16 + 4v + j] in its high one (c the group's column 0..7, so
-//         that a vector is 8 columns x 4 consecutive k: VPMADDUBSW's pairs, then
-//         VPMADDWD's), then d[0..7] and m[0..7] as f16;
+// Layout (the attribute `format`: 0 Q4_1, 1 Q8_0):
+//   w     uint8 [L, N/8, K/32, 160 or 272]: columns in groups of 8 (N rounded up to 8,
+//         zero columns); a group's block b is, in Q4_1, 160 bytes: 4 vectors of 32
+//         bytes, byte 32v + 4c + j holding q[c, 4v + j] in its low nibble and q[c, 16 +
+//         4v + j] in its high one (c the group's column 0..7, so that a vector is 8
+//         columns x 4 consecutive k: VPMADDUBSW's pairs, then VPMADDWD's), then d[0..7]
+//         and m[0..7] as f16; in Q8_0, 272 bytes: 8 vectors, byte 32v + 4c + j holding
+//         q[c, 4v + j], then d[0..7] as f16;
 //   x     f32 [K, T] (feature_major) or [T, K];
 //   layer int32 []: which of the L layers;
 //   out   f32 [N, T] (feature_major) or [T, N].
-// K must be a multiple of 32, N of 8. Work is split over XLA's intra-op thread pool by
+// K must be a multiple of 32. Work is split over XLA's intra-op thread pool by
 // column ranges; the calling thread works too. Without AVX2 a portable loop computes the
 // same operations one value at a time.
 
@@ -51,7 +52,10 @@ using sluice::Out;
 
 constexpr int64_t kBlock = 32;       // values per scale and minimum
 constexpr int64_t kCols = 8;         // columns of a group
-constexpr int64_t kBytes = 160;      // a group's block: 128 bytes of q, 8 d, 8 m (f16)
+// Weight formats (the attribute `format`) and the bytes of a group's block in each.
+constexpr int kQ4 = 0;  // Q4_1: 128 bytes of q (two a byte), 8 d, 8 m (f16)
+constexpr int kQ8 = 1;  // Q8_0: 256 bytes of int8 q, 8 d (f16)
+constexpr int64_t kFormatBytes[2] = {160, 272};
 constexpr int64_t kItemGroups = 8;   // groups a work item: 64 columns
 
 // The activations quantized: row r's block b is qx[r * K + 32 b ..] with scale
@@ -85,10 +89,12 @@ void quantize_rows(const float* x, int64_t t, int64_t k, int8_t* qx, float* dx, 
 #define SLUICE_Q4_AVX2 1
 
 // Rows [m0, m0 + MT) by G groups (8 columns each, the first at wg, the next gstride
-// bytes on; columns from n0), over all K/32 blocks. Each block's products sum in int16
-// lanes (8 VPMADDUBSW: at most 8 x 2 x 15 x 127 = 30,480), then VPMADDWD adds each
-// column's pairs into int32 and the f32 steps above follow.
-template <int MT, int G>
+// bytes on; columns from n0), over all K/32 blocks, weights of format F. Q4_1: each
+// block's products sum in int16 lanes (8 VPMADDUBSW: at most 8 x 2 x 15 x 127 = 30,480),
+// then VPMADDWD adds each column's pairs into int32. Q8_0: VPMADDUBSW takes |w| times qx
+// signed as w (pairs at most 2 x 127 x 127 = 32,258), into int32 at once. The f32 steps
+// above follow.
+template <int F, int MT, int G>
 inline void tile(const uint8_t* wg, int64_t gstride, const Acts& a, int64_t kb, int64_t m0,
                  int64_t n0, const Out& out) {
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -100,33 +106,51 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Acts& a, int64_t kb, 
     __m256i s[MT][G];
     for (int m = 0; m < MT; ++m)
       for (int g = 0; g < G; ++g) s[m][g] = _mm256_setzero_si256();
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < (F == kQ4 ? 4 : 8); ++v) {
       for (int g = 0; g < G; ++g) {
-        const uint8_t* p = wg + g * gstride + b * kBytes;
+        const uint8_t* p = wg + g * gstride + b * kFormatBytes[F];
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v));
-        const __m256i lo = _mm256_and_si256(w, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* xq = a.qx + (m0 + m) * k + b * kBlock + 4 * v;
-          int32_t x0, x1;
-          std::memcpy(&x0, xq, 4);
-          std::memcpy(&x1, xq + 16, 4);
-          s[m][g] = _mm256_add_epi16(s[m][g], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
-          s[m][g] = _mm256_add_epi16(s[m][g], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+        if constexpr (F == kQ4) {
+          const __m256i lo = _mm256_and_si256(w, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xq = a.qx + (m0 + m) * k + b * kBlock + 4 * v;
+            int32_t x0, x1;
+            std::memcpy(&x0, xq, 4);
+            std::memcpy(&x1, xq + 16, 4);
+            s[m][g] = _mm256_add_epi16(s[m][g],
+                                       _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+            s[m][g] = _mm256_add_epi16(s[m][g],
+                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+            asm("" : "+x"(s[m][g]));  // summed now (else GCC keeps 32 products, spilled)
+          }
+        } else {
+          const __m256i aw = _mm256_abs_epi8(w);
+          for (int m = 0; m < MT; ++m) {
+            int32_t x0;
+            std::memcpy(&x0, a.qx + (m0 + m) * k + b * kBlock + 4 * v, 4);
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x0), w);
+            s[m][g] = _mm256_add_epi32(
+                s[m][g], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+            asm("" : "+x"(s[m][g]));  // summed now (else GCC keeps 32 products, spilled)
+          }
         }
       }
     }
     for (int g = 0; g < G; ++g) {
-      const uint8_t* p = wg + g * gstride + b * kBytes + 128;
+      const uint8_t* p = wg + g * gstride + b * kFormatBytes[F] + (F == kQ4 ? 128 : 256);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      const __m256 mn =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
       for (int m = 0; m < MT; ++m) {
         const int64_t rb = (m0 + m) * kb + b;
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][g], ones));
+        const __m256 f = _mm256_cvtepi32_ps(F == kQ4 ? _mm256_madd_epi16(s[m][g], ones)
+                                                     : s[m][g]);
         acc[m][g] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + rb)),
                                     acc[m][g]);
-        acc[m][g] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(a.sx + rb), acc[m][g]);
+        if constexpr (F == kQ4) {
+          const __m256 mn =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+          acc[m][g] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(a.sx + rb), acc[m][g]);
+        }
       }
     }
   }
@@ -141,25 +165,28 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Acts& a, int64_t kb, 
 // Groups [g0, g1) for rows [m0, m0 + MT): G at a time (independent sums enough for the
 // latencies at few rows), then one. The weights stream in order without software
 // prefetches (the hardware's keep up: asking 4 blocks ahead measured no faster).
-template <int MT, int G>
+template <int F, int MT, int G>
 void groups(const uint8_t* wl, int64_t gstride, const Acts& a, int64_t kb, int64_t m0,
             int64_t g0, int64_t g1, const Out& out) {
   int64_t g = g0;
-  for (; g + G <= g1; g += G) tile<MT, G>(wl + g * gstride, gstride, a, kb, m0, g * kCols, out);
-  for (; g < g1; ++g) tile<MT, 1>(wl + g * gstride, gstride, a, kb, m0, g * kCols, out);
+  for (; g + G <= g1; g += G)
+    tile<F, MT, G>(wl + g * gstride, gstride, a, kb, m0, g * kCols, out);
+  for (; g < g1; ++g) tile<F, MT, 1>(wl + g * gstride, gstride, a, kb, m0, g * kCols, out);
 }
 
 // All t rows of groups [g0, g1): passes of up to 4 rows, each over the groups (a
-// group's blocks stay in L1/L2 from one pass to the next).
+// group's blocks stay in L1/L2 from one pass to the next; passes of 6 or 8 rows measured
+// the same).
+template <int F>
 void item(const uint8_t* wl, int64_t gstride, const Acts& a, int64_t kb, int64_t t,
           int64_t g0, int64_t g1, const Out& out) {
   for (int64_t m = 0, r; m < t; m += r) {
     r = std::min<int64_t>(4, t - m);
     switch (r) {
-      case 1: groups<1, 4>(wl, gstride, a, kb, m, g0, g1, out); break;
-      case 2: groups<2, 2>(wl, gstride, a, kb, m, g0, g1, out); break;
-      case 3: groups<3, 1>(wl, gstride, a, kb, m, g0, g1, out); break;
-      default: groups<4, 1>(wl, gstride, a, kb, m, g0, g1, out); break;
+      case 1: groups<F, 1, 4>(wl, gstride, a, kb, m, g0, g1, out); break;
+      case 2: groups<F, 2, 2>(wl, gstride, a, kb, m, g0, g1, out); break;
+      case 3: groups<F, 3, 1>(wl, gstride, a, kb, m, g0, g1, out); break;
+      default: groups<F, 4, 1>(wl, gstride, a, kb, m, g0, g1, out); break;
     }
   }
 }
@@ -190,6 +217,7 @@ inline float f16_value(const uint8_t* p) {
   return f;
 }
 
+template <int F>
 void item(const uint8_t* wl, int64_t gstride, const Acts& a, int64_t kb, int64_t t,
           int64_t g0, int64_t g1, const Out& out) {
   for (int64_t g = g0; g < g1; ++g)
@@ -197,17 +225,19 @@ void item(const uint8_t* wl, int64_t gstride, const Acts& a, int64_t kb, int64_t
       for (int c = 0; c < kCols; ++c) {
         float acc = 0.f;
         for (int64_t b = 0; b < kb; ++b) {
-          const uint8_t* p = wl + g * gstride + b * kBytes;
+          const uint8_t* p = wl + g * gstride + b * kFormatBytes[F];
           int32_t sum = 0;
           for (int i = 0; i < kBlock; ++i) {
-            const int quad = i / 4, v = quad % 4;
+            const int quad = i / 4, v = F == kQ4 ? quad % 4 : quad;
             const uint8_t byte = p[32 * v + 4 * c + i % 4];
-            const int q = quad < 4 ? (byte & 0x0f) : (byte >> 4);
+            const int q = F == kQ4 ? (quad < 4 ? (byte & 0x0f) : (byte >> 4))
+                                   : static_cast<int8_t>(byte);
             sum += q * a.qx[m * a.k + b * kBlock + i];
           }
           const int64_t rb = m * kb + b;
-          acc = std::fma(static_cast<float>(sum), f16_value(p + 128 + 2 * c) * a.dx[rb], acc);
-          acc = std::fma(f16_value(p + 144 + 2 * c), a.sx[rb], acc);
+          const uint8_t* sc = p + (F == kQ4 ? 128 : 256);
+          acc = std::fma(static_cast<float>(sum), f16_value(sc + 2 * c) * a.dx[rb], acc);
+          if (F == kQ4) acc = std::fma(f16_value(sc + 16 + 2 * c), a.sx[rb], acc);
         }
         out.set(m, g * kCols + c, acc);
       }
@@ -216,20 +246,23 @@ void item(const uint8_t* wl, int64_t gstride, const Acts& a, int64_t kb, int64_t
 
 ffi::Error Q4LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> out, int32_t feature_major) {
+                        ffi::ResultBuffer<ffi::F32> out, int32_t feature_major,
+                        int32_t format) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2)
     return ffi::Error::InvalidArgument("sluice_q4_linear: x must be 2-D, w 4-D");
   const bool fm = feature_major != 0;
   const int64_t nl = wd[0], ng = wd[1], kb = wd[2], k = kb * kBlock;
   const int64_t t = fm ? xd[1] : xd[0], n = fm ? od[0] : od[1];
-  if ((fm ? xd[0] : xd[1]) != k || wd[3] != kBytes || n != ng * kCols ||
-      (fm ? od[1] : od[0]) != t)
+  if (format != kQ4 && format != kQ8)
+    return ffi::Error::InvalidArgument("sluice_q4_linear: format must be 0 or 1");
+  if ((fm ? xd[0] : xd[1]) != k || wd[3] != kFormatBytes[format] || n > ng * kCols ||
+      ng * kCols - n >= kCols || (fm ? od[1] : od[0]) != t)
     return ffi::Error::InvalidArgument("sluice_q4_linear: shapes do not agree");
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= nl) return ffi::Error::InvalidArgument("sluice_q4_linear: bad layer");
   if (t == 0) return ffi::Error::Success();
-  const int64_t gstride = kb * kBytes;
+  const int64_t gstride = kb * kFormatBytes[format];
   const uint8_t* wl = w.typed_data() + l * ng * gstride;
   const float* xr = x.typed_data();
   Out o{nullptr, 0, 0, 0};
@@ -245,7 +278,10 @@ ffi::Error Q4LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t items = (ng + kItemGroups - 1) / kItemGroups;
   sluice::parallel_for(pool, items, [&](int64_t p) {
     const int64_t g0 = p * kItemGroups, g1 = std::min(ng, g0 + kItemGroups);
-    item(wl, gstride, a, kb, tl, g0, g1, o);
+    if (format == kQ4)
+      item<kQ4>(wl, gstride, a, kb, tl, g0, g1, o);
+    else
+      item<kQ8>(wl, gstride, a, kb, tl, g0, g1, o);
     o.clear(g0 * kCols, g1 * kCols);
   });
   return ffi::Error::Success();
@@ -260,7 +296,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ4Linear, Q4LinearImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("feature_major"));
+                                  .Attr<int32_t>("feature_major")
+                                  .Attr<int32_t>("format"));
 
 // 1 when built with the AVX2 path, 0 for the portable one.
 extern "C" int sluice_q4_avx2() {

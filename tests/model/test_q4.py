@@ -1,8 +1,9 @@
-"""Q4_1 weights times int8 activations (model/quant.py `Q4Matrix`, csrc/q4_linear.cc):
-a GGUF's Q4_1 blocks reach the kernel unchanged; the kernel against its definition in
-numpy (integer block sums, then the f32 steps in order); a row's result independent of
-its batch and of the zero rows beside it; the portable build bit for bit the same as the
-vector one; the runner on a tiny random model against the f32 runner."""
+"""Weights in llama.cpp's Q4_1 and Q8_0 blocks times int8 activations (model/quant.py
+`BlockMatrix`, csrc/q4_linear.cc): a GGUF's blocks reach the kernel unchanged; the
+kernel against its definition in numpy (integer block sums, then the f32 steps in
+order) in both formats; a row's result independent of its batch and of the zero rows
+beside it; the portable build bit for bit the same as the vector one; the runner
+(`quantization = "q4_1"`) on a tiny random model against the f32 runner."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from model.quant import PROJECTIONS, Q4Matrix, dequantize_q4, q4_blocks, quantize_q4
+from model.quant import (PROJECTIONS, Q4_1, Q8_0, BlockMatrix, blocks, dequantize_blocks,
+                         quantize_q4, quantize_q8_0)
 from model.runner import ModelRunner
 from pallas_kernels import native
 from tests.model.test_quant import _step_logits
@@ -48,11 +50,31 @@ def test_a_gguf_files_q4_1_blocks_reach_the_kernel_unchanged():
     m = (-7.5 * d + rng.normal(0, 1e-3, (rows, nb))).astype(np.float16).astype(np.float32)
     w = dequantize(_gguf_q4_1(q, d, m), GGMLQuantizationType.Q4_1).reshape(1, rows, nb * 32)
     got = quantize_q4(w)
-    gq, gd, gm = q4_blocks(got)
+    gq, gd, gm = blocks(got)
     np.testing.assert_array_equal(gq[0], q.reshape(rows, nb * 32))
     np.testing.assert_array_equal(gd[0], d)
     np.testing.assert_array_equal(gm[0], m)
-    np.testing.assert_array_equal(dequantize_q4(got), w)
+    np.testing.assert_array_equal(dequantize_blocks(got), w)
+
+
+def test_a_gguf_files_q8_0_blocks_reach_the_kernel_unchanged():
+    """block_q8_0: f16 d, then 32 int8 values (the embedded GGUF's token embeddings, tied
+    to its lm_head)."""
+    rng = np.random.default_rng(2)
+    rows, nb = 20, 2  # 20 columns: packed as 24, 4 of them zero
+    q = rng.integers(-127, 128, (rows, nb, 32)).astype(np.int8)
+    q[..., 0] = 127  # as llama.cpp quantizes: each block reaches |q| = 127
+    d = rng.uniform(1e-3, 3e-2, (rows, nb)).astype(np.float16)
+    raw = np.zeros((rows, nb, 34), np.uint8)
+    raw[..., 0:2] = d[..., None].view(np.uint8)
+    raw[..., 2:] = q.view(np.uint8)
+    w = dequantize(raw.reshape(rows, nb * 34), GGMLQuantizationType.Q8_0)[None]
+    got = quantize_q8_0(w)
+    assert got.format == Q8_0 and got.n == rows and got.q.shape == (1, 3, nb, 272)
+    gq, gd, _ = blocks(got)
+    np.testing.assert_array_equal(gq[0], q.reshape(rows, nb * 32))
+    np.testing.assert_array_equal(gd[0], d.astype(np.float32))
+    np.testing.assert_array_equal(dequantize_blocks(got), w)
 
 
 def test_quantize_packs_blocks_within_half_a_step():
@@ -60,23 +82,24 @@ def test_quantize_packs_blocks_within_half_a_step():
     w = rng.standard_normal((2, 16, 96)).astype(np.float32)
     w[1, 3, 32:64] = 0.25  # a constant block: d = 0, every value its minimum
     m = quantize_q4(w)
-    assert isinstance(m, Q4Matrix) and m.q.dtype == jnp.uint8
+    assert isinstance(m, BlockMatrix) and m.q.dtype == jnp.uint8 and m.format == Q4_1
     assert m.q.shape == (2, 2, 3, 160) and m.n == 16 and m.nbytes == 2 * 16 * 96 * 5 // 8
-    back = dequantize_q4(m)
+    back = dequantize_blocks(m)
     blocks = w.reshape(2, 16, 3, 32)
     step = (blocks.max(-1) - blocks.min(-1)) / 15
     err = np.abs(back - w).reshape(2, 16, 3, 32)
     assert (err <= step[..., None] * 0.5 + np.abs(blocks) * 2e-3 + 1e-6).all()  # + f16's
     assert (back[1, 3, 32:64] == 0.25).all()
-    with pytest.raises(ValueError, match="Q4_1 weights need"):
-        quantize_q4(np.zeros((1, 12, 64), np.float32))
+    with pytest.raises(ValueError, match="block weights need"):
+        quantize_q4(np.zeros((1, 16, 40), np.float32))
 
 
-def _definition(x: np.ndarray, m: Q4Matrix, layer: int) -> np.ndarray:
+def _definition(x: np.ndarray, m: BlockMatrix, layer: int) -> np.ndarray:
     """The kernel's definition: x [T, K] rounded to int8 per row and block of 32 (dx =
     max |x| / 127), integer products with the blocks' q, scaled per block by d dx, plus
-    m times the block's sum of x (float64 here: the kernel's f32 steps within 1e-5)."""
-    q, d, mn = q4_blocks(m)
+    (Q4_1) m times the block's sum of x (float64 here: the kernel's f32 steps within
+    1e-5)."""
+    q, d, mn = blocks(m)
     q, d, mn = q[layer], d[layer], mn[layer]
     t, k = x.shape
     xb = x.reshape(t, k // 32, 32)
@@ -90,29 +113,37 @@ def _definition(x: np.ndarray, m: Q4Matrix, layer: int) -> np.ndarray:
 
 def _call(x, m, layer, fm, target=native.Q4_TARGET):
     xin = jnp.asarray(x.T if fm else x)
-    f = jax.jit(lambda x, w, i: native.q4_linear(x, w, i, feature_major=fm, target=target))
+    f = jax.jit(lambda x, w, i: native.q4_linear(x, w, i, feature_major=fm, n=m.n,
+                                                 format=m.format, target=target))
     out = np.asarray(f(xin, m.q, jnp.int32(layer)))
     return out.T if fm else out
 
 
+QUANTIZE = {Q4_1: quantize_q4, Q8_0: quantize_q8_0}
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 17])
 @pytest.mark.parametrize("feature_major", [False, True])
-def test_kernel_is_its_definition_and_close_to_f32(feature_major, rows):
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+def test_kernel_is_its_definition_and_close_to_f32(fmt, feature_major, rows):
     rng = np.random.default_rng(rows)
-    # 3 blocks; 88 columns: 11 groups of 8 (work items of 8 groups, then 4 at a time, then 1)
-    w = (rng.standard_normal((3, 88, 96)) * 0.05).astype(np.float32)
-    m = quantize_q4(w)
+    # 3 blocks; 85 columns: 11 groups of 8, the last padded (work items of 8 groups,
+    # then 4 at a time, then 1)
+    w = (rng.standard_normal((3, 85, 96)) * 0.05).astype(np.float32)
+    m = QUANTIZE[fmt](w)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     got = _call(x, m, 2, feature_major)
+    assert got.shape == (rows, 85)
     want = _definition(x, m, 2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    exact = x @ dequantize_q4(m)[2].T  # the weights as they are, x unrounded
+    exact = x @ dequantize_blocks(m)[2].T  # the weights as they are, x unrounded
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
 
 
-def test_a_rows_result_does_not_depend_on_its_batch_or_on_zero_rows():
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+def test_a_rows_result_does_not_depend_on_its_batch_or_on_zero_rows(fmt):
     rng = np.random.default_rng(3)
-    m = quantize_q4(rng.standard_normal((1, 72, 128)).astype(np.float32))
+    m = QUANTIZE[fmt](rng.standard_normal((1, 72, 128)).astype(np.float32))
     x = rng.standard_normal((23, 128)).astype(np.float32)
     batch = _call(x, m, 0, True)
     for i in (0, 4, 10, 22):
@@ -137,9 +168,9 @@ def test_the_portable_build_is_the_vector_build_bit_for_bit():
     jax.ffi.register_ffi_target("sluice_q4_linear_portable",
                                 jax.ffi.pycapsule(lib.SluiceQ4Linear), platform="cpu")
     rng = np.random.default_rng(4)
-    m = quantize_q4((rng.standard_normal((2, 24, 64)) * 0.1).astype(np.float32))
+    w = (rng.standard_normal((2, 22, 64)) * 0.1).astype(np.float32)
     x = rng.standard_normal((6, 64)).astype(np.float32)
-    for fm in (False, True):
+    for fm, m in ((False, quantize_q4(w)), (True, quantize_q4(w)), (True, quantize_q8_0(w))):
         got = _call(x, m, 1, fm, target="sluice_q4_linear_portable")
         want = _definition(x, m, 1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -151,7 +182,7 @@ def _q4_born(params: dict) -> dict:
     """The random model with its projections' weights made Q4_1 values, as a Q4_1 GGUF's
     are when loaded: then f32 and q4_1 differ only by the activations' rounding."""
     def born(w):  # (in, out)
-        return dequantize_q4(quantize_q4(np.asarray(w, np.float32).T[None]))[0].T
+        return dequantize_blocks(quantize_q4(np.asarray(w, np.float32).T[None]))[0].T
 
     names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     layers = [{k: born(v) if k in names else v for k, v in lp.items()}
@@ -171,8 +202,8 @@ def test_runner_with_q4_1_weights_is_close_to_f32(feature_major):
     q4.warmup()
     assert q4.describe()["quantization"] == "q4_1" and q4.kv_storage != jnp.float32
     held = [v for g in q4.params["layers"].values() for k, v in g.items() if k in PROJECTIONS]
-    assert len(held) == 4 and all(isinstance(v, Q4Matrix) for v in held)
-    assert "head_int8" in q4.params
+    assert len(held) == 4 and all(isinstance(v, BlockMatrix) for v in held)
+    assert q4.params["head_int8"].format == Q8_0
     for rows in (1, 4):
         a, b = _step_logits(q4, rows), _step_logits(f32, rows)
         # int8 activations, the int8 lm_head and the bf16 pool: a few % of the largest logit
