@@ -210,3 +210,15 @@ def test_runner_with_q4_1_weights_is_close_to_f32(feature_major):
         np.testing.assert_allclose(a, b, atol=0.05 * np.abs(b).max())
         top5 = np.argsort(b, -1)[:, -5:]
         assert all(a[i].argmax() in top5[i] for i in range(rows))
+
+
+def test_q4_1_keeps_adapter_slots_in_bf16_beside_it():
+    """The LoRA kernel reads its slots in bf16 beside either kind of native base weights."""
+    from model.adapter_slots import native_available
+
+    if not native_available():
+        pytest.skip("the native LoRA kernel is not fast here")
+    r = ModelRunner(TINY, _q4_born(random_params(TINY)), quantization="q4_1", page_size=8,
+                    num_pages=8, max_context=64, decode_buckets=(1,), prefill_buckets=(16,),
+                    max_prefill_seqs=1, adapter_slots=2)
+    assert r.lora.native and r.lora.dtype == jnp.bfloat16
