@@ -79,12 +79,16 @@ def quantize_int8(w: np.ndarray, layout: int | None = None) -> Int8Matrix:
     return Int8Matrix(*_quantize(jnp.asarray(w, jnp.float32), layout), out=n, layout=layout)
 
 
+def _pad_columns(w, multiple: int):
+    """w [layers, out, in] with zero columns (out) up to a multiple of `multiple`."""
+    pad = -w.shape[1] % multiple
+    return jnp.pad(w, ((0, 0), (0, pad), (0, 0))) if pad else w
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize(w, layout):
+    w = _pad_columns(w, GROUP)
     n_l, n, k = w.shape
-    if n % GROUP:
-        w = jnp.pad(w, ((0, 0), (0, GROUP - n % GROUP), (0, 0)))
-        n = w.shape[1]
     blocks = w.reshape(n_l, n, k // BLOCK, BLOCK)
     scale = jnp.max(jnp.abs(blocks), axis=-1) / 127.0
     inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
@@ -170,10 +174,8 @@ def _block_matrix(w, fmt: int) -> BlockMatrix:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize_blocks(w, fmt):
+    w = _pad_columns(w, COLS)
     n_l, n, k = w.shape
-    if n % COLS:
-        w = jnp.pad(w, ((0, 0), (0, COLS - n % COLS), (0, 0)))
-        n = w.shape[1]
     kb, ng = k // BLOCK, n // COLS
     blocks = w.reshape(n_l, n, kb, BLOCK)
 
