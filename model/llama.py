@@ -68,8 +68,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     `quantization` "int8": the four projections of every layer and the lm_head become
     `Int8Matrix` (model/quant.py, the CPU's native kernel), stacked, quantized from the
     loader's f32 one tensor at a time: their f32 copies are never made on the device.
-    "q4_1": the projections become Q4_1 `BlockMatrix`es, the lm_head a Q8_0 one (both
-    times int8 activations, as llama.cpp multiplies a Q4_1 GGUF).
+    "q4_1": the projections Q4_1 `BlockMatrix`es, the lm_head Q8_0 (x int8 activations).
 
     The loader's matrices are (in, out). `feature_major` stores them (out, in), the layout
     `forward(..., feature_major=True)` multiplies from the left (see there). Host copies
@@ -80,7 +79,8 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     and v heads (gate and up features), as `forward` on that device expects; `place(name,
     host array)` puts each tensor on the device(s) (default: `jnp.asarray`)."""
     put = place or (lambda name, a: jnp.asarray(a))
-    quantize = {"int8": quantize_int8, "q4_1": quantize_q4}.get(quantization)
+    quantize, quantize_head = {"int8": (quantize_int8, quantize_int8),
+                               "q4_1": (quantize_q4, quantize_q8_0)}.get(quantization, (None,) * 2)
 
     def matrix(a):
         return np.ascontiguousarray(a.T) if feature_major else a
@@ -121,8 +121,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
            "layers": layers}
     if quantize:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
         head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
-        head_quantize = quantize_q8_0 if quantization == "q4_1" else quantize_int8
-        out["head_int8"] = head_quantize(np.asarray(head, np.float32)[None])
+        out["head_int8"] = quantize_head(np.asarray(head, np.float32)[None])
     elif not cfg.tie_embeddings:
         out["lm_head"] = put("lm_head", np.asarray(matrix(np.asarray(params["lm_head"])), dtype))
     return out

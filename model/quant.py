@@ -18,6 +18,10 @@ its many-row and few-row forms both read in order; `native_layout`). The activat
 not quantized (rounded to bf16 in the AMX and AVX-512 paths, f32 in AVX2's). Accuracy
 against the f32 path: `benchmarks/int8_accuracy.py` (docs/benchmarks.md). Embeddings
 (the token lookup), norms and LoRA deltas stay f32.
+
+`quantization = "q4_1"` holds `BlockMatrix`es instead: llama.cpp's Q4_1 (projections) and
+Q8_0 (lm_head) blocks, multiplied by integer dot products after the kernel rounds the
+activations to int8 (csrc/q4_linear.cc; opt-in, its accuracy in docs/benchmarks.md).
 """
 
 from __future__ import annotations

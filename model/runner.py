@@ -220,7 +220,7 @@ class ModelRunner:
         # the compiled steps carry no LoRA code at all.
         self.adapter_slots = adapter_slots
         # On the CPU the native kernel applies each token's own slot (SGMV-style), in bf16
-        # beside int8 base weights (their kernel rounds activations to bf16 as well).
+        # beside the native kernels' base weights (which round activations too).
         native_lora = (native_lora if native_lora is not None else
                        bool(adapter_slots) and self.tp is None and native_lora_available())
         self.lora = LoraSlots(
