@@ -62,6 +62,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_slowdown: float = 0.4
     min_prefill_tokens: int = 16
     short_prefill_tokens: int = 256  # a prompt with at most this much left is prefilled whole
+    # ... or, beside running decodes, spread over as many chunks (each at least a long
+    # prompt's) as ttft_target_s leaves room for, to keep the streams' token gaps short.
+    split_short_prefill: bool = True
     # Batch jobs run in idle capacity (scheduler/background.py): beside interactive decodes
     # a step may grow by at most this fraction for batch work, and batch sequences are
     # admitted only while this fraction of the KV pages stays free.

@@ -52,7 +52,9 @@ def test_unmeasured_sizes_use_the_nearest_larger_measurement():
     assert m.decode_time(2) == 0.030
 
 
-def test_policy_caps_long_prompts_beside_decodes_but_prefills_short_ones_whole():
+def _one_stream(**cfg_kw):
+    """A Sim with one decoding stream and measured costs: decode-only 30 ms, 1 ms a
+    prefill token (so a long prompt's chunk beside it is 12 tokens)."""
     from config.settings import SchedulerConfig
 
     from .fake_runner import FakeRunner
@@ -61,26 +63,77 @@ def test_policy_caps_long_prompts_beside_decodes_but_prefills_short_ones_whole()
 
     limits = StepLimits(max_decode_seqs=12, max_prefill_seqs=2, max_prefill_chunk=64,
                         max_prefill_tokens=128)
-    cfg = SchedulerConfig(max_step_tokens=512, short_prefill_tokens=40, min_prefill_tokens=8)
+    cfg = SchedulerConfig(max_step_tokens=512, short_prefill_tokens=40, min_prefill_tokens=8,
+                          **cfg_kw)
     sim = Sim(FakeRunner(limits=limits, num_pages=1024), cfg)
     sim.submit(range(10, 20), max_tokens=50)  # one decoding stream
     sim.step()
     cost = sim.sched.cost
-    cost.observe(1, 0, 0.030)  # measured: decode-only 30 ms, 1 ms a prefill token
+    cost.observe(1, 0, 0.030)
     cost.observe(1, 10, 0.040)
     cost.prefill_floor_s = 0.0
-    budget = cost.prefill_budget(1)  # 30 ms * 0.4 / 1 ms = 12 tokens
-    assert budget == 12
+    assert cost.prefill_budget(1) == 12  # 30 ms * 0.4 / 1 ms = 12 tokens
+    return sim
+
+
+def _chunks_of(sim, seq) -> list[int]:
+    return [len(c.token_ids) for b in sim.batches for s, c in zip(b.seqs, b.plan.chunks)
+            if s is seq and c.start_pos < seq.num_prompt_tokens]  # its prompt's chunks
+
+
+def test_policy_caps_long_prompts_beside_decodes_and_spreads_short_ones_over_the_ttft():
+    sim = _one_stream()
     long = sim.submit(range(100, 400))
     short = sim.submit(range(500, 530))
-    for _ in range(3):
+    for _ in range(4):
         batch = sim.step()
         sizes = {s.seq_id: len(c.token_ids) for s, c in zip(batch.seqs, batch.plan.chunks)}
         assert batch.num_decode >= 1
-        assert sizes.get(long.seq_id, 0) <= budget
-    first = [b for b in sim.batches if any(s is short for s in b.seqs)][0]
-    chunk = [c for s, c in zip(first.seqs, first.plan.chunks) if s is short][0]
-    assert len(chunk.token_ids) == 30  # the short prompt went in whole
+        assert sizes.get(long.seq_id, 0) <= 12
+    # 30 tokens with plenty of the 1 s target left: two chunks of at least the pace (12).
+    assert _chunks_of(sim, short) == [15, 15]
+
+
+def test_a_short_prompt_goes_in_whole_when_its_ttft_has_no_room_left():
+    sim = _one_stream()
+    short = sim.submit(range(500, 530))
+    # Waited 0.6 s: 0.6 s planned (60% of the 1 s target) - 0.6 leaves no room for a
+    # second step.
+    sim.clock.advance(0.6)
+    sim.step()
+    assert _chunks_of(sim, short) == [30]
+
+
+def test_a_short_prompt_goes_in_whole_without_a_ttft_target_or_the_split():
+    for kw in ({"ttft_target_s": 0.0}, {"split_short_prefill": False}):
+        sim = _one_stream(**kw)
+        short = sim.submit(range(500, 530))
+        sim.step()
+        assert _chunks_of(sim, short) == [30], kw
+
+
+def test_a_short_prompt_alone_goes_in_whole():
+    sim = _one_stream()
+    while sim.sched.running:  # the stream finishes
+        sim.step()
+    short = sim.submit(range(500, 530))
+    sim.step()
+    assert _chunks_of(sim, short) == [30]
+
+
+def test_the_spread_follows_the_time_left():
+    sim = _one_stream()
+    short = sim.submit(range(500, 536))  # 36 tokens: up to 3 chunks of 12
+    short.predicted_ttft = 0.1  # the door's
+    sim.step()
+    assert _chunks_of(sim, short) == [12]  # 0.6 - 0.03 - 0.036 s: 17 steps' room
+    # The door's calibration will compare its first token to the plan: the step in
+    # flight, 36 ms of prefill and 3 steps of 30 ms.
+    assert short.predicted_ttft == pytest.approx(0.03 + 0.036 + 3 * 0.03)
+    # A slow step: waited 0.61 s, past the 0.6 s planned: the rest goes in whole.
+    sim.clock.advance(0.6)
+    sim.step()
+    assert _chunks_of(sim, short) == [12, 24]
 
 
 def test_warm_up_figures_stand_in_until_a_real_step_replaces_them():
