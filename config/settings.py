@@ -65,6 +65,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # ... or, beside running decodes, spread over as many chunks (each at least a long
     # prompt's) as ttft_target_s leaves room for, to keep the streams' token gaps short.
     split_short_prefill: bool = True
+    # ... but only once such prompts arrive often enough that prefilling each whole would
+    # stall more than this share of a stream's token gaps (arrivals a second, over the
+    # last 10 s, times the decode step). Rarer, a whole prefill's one long gap per stream
+    # stays out of the p95 the ITL SLO is stated in, and the prompt gets its first token
+    # sooner. 0: spread whenever decodes run.
+    short_prefill_stall_share: float = 0.04
     # Batch jobs run in idle capacity (scheduler/background.py): beside interactive decodes
     # a step may grow by at most this fraction for batch work, and batch sequences are
     # admitted only while this fraction of the KV pages stays free.

@@ -14,7 +14,8 @@
    `limits.max_prefill_chunk` tokens a chunk and `limits.max_prefill_seqs` chunks a step.
    A 6,000-token prompt is thus spread over many steps, each also carrying every decode.
    A short prompt (at most `short_prefill_tokens` left) goes in whole, or beside decodes
-   in as many such chunks as its TTFT target leaves room for (`_short_chunk`).
+   in as many such chunks as its TTFT target leaves room for, once such prompts come
+   often enough that whole ones would stall too many of the streams' gaps (`_short_chunk`).
 3. Admission (continuous mode): the next waiting sequence by class, fair share and tenant
    limit (`FairQueue.peek`) is admitted if its pages fit: prompt pages not covered by
    prefix hits, plus `kv_reserve_pages` kept back for the running decodes to grow into.
@@ -63,6 +64,8 @@ from .step_cost import StepCostModel, chunk_work
 # The share of the TTFT target a short prompt's chunks are planned to fit in
 # (`Scheduler._short_chunk`); the rest absorbs mispredicted step times.
 _TTFT_PLAN_SHARE = 0.6
+# Seconds of short-prompt arrivals `_short_chunk` counts to judge how often they come.
+_ARRIVAL_WINDOW_S = 10.0
 
 
 @dataclass(slots=True)
@@ -133,6 +136,9 @@ class Scheduler(ItlPlanning):
         # Prompt page keys of the live sequences, counted: a request queued behind another
         # with the same system prompt will find it cached (`expected_uncached`).
         self._promised: dict[int, int] = {}
+        # When short prompts that a whole prefill would make a long step of arrived beside
+        # running decodes (`_short_chunk`): their rate, over `_ARRIVAL_WINDOW_S`.
+        self._short_arrivals: deque[float] = deque()
         self.background = BackgroundShare(config, self.cost)  # batch jobs' share
 
     # -- the queue's side ----------------------------------------------------------------
@@ -292,12 +298,12 @@ class Scheduler(ItlPlanning):
         short = cfg.short_prefill_tokens
         split = pace is not None and cfg.split_short_prefill
 
-        def limit(seq: Sequence) -> int:
+        def limit(seq: Sequence, new: bool = False) -> int:
             rest = seq.num_tokens - seq.num_computed_tokens
             if rest > short:
                 n = min(budget, soft)
             elif split and not seq.batch:
-                n = min(budget, self._short_chunk(seq, rest, num_decode, pace))
+                n = min(budget, self._short_chunk(seq, rest, num_decode, pace, new))
             else:
                 n = budget
             room = batch_prefill() if seq.batch else None
@@ -339,7 +345,7 @@ class Scheduler(ItlPlanning):
                     continue
                 if not admitted:
                     break
-                n = self._schedule_prefill(seq, batch, limit(seq))
+                n = self._schedule_prefill(seq, batch, limit(seq, new=True))
                 budget -= n
                 soft -= n
                 slots -= n > 0
@@ -405,24 +411,39 @@ class Scheduler(ItlPlanning):
             seqs.append(seq)
             batch.work += pos + 1
 
-    def _short_chunk(self, seq: Sequence, rest: int, num_decode: int, pace: int) -> int:
-        """The next chunk of a short prompt (`rest` tokens left) joining `num_decode`
-        running streams: the prompt is spread over as many steps as its TTFT target
-        leaves room for, each chunk at least `pace` (a long prompt's chunk beside these
-        decodes), so that it lengthens the streams' token gaps as little as its own
-        first token allows. Whole when the target is off or the costs are not measured
-        yet, and whole again once the request has waited too long to spread it.
-        Each step re-plans the rest from the time then left. Why: a 72-token question
-        after a cached 2,000-token system prompt, prefilled whole beside 16 streams on the
-        2-core CPU, made their gap ~0.3 s against ~0.07 (docs/benchmarks.md, "Short
-        prompts spread over the TTFT target")."""
+    def _short_chunk(self, seq: Sequence, rest: int, num_decode: int, pace: int,
+                     new: bool = False) -> int:
+        """The next chunk of a short prompt (`rest` tokens left, `new`: just admitted)
+        joining `num_decode` running streams: the prompt is spread over as many steps as
+        its TTFT target leaves room for, each chunk at least `pace` (a long prompt's chunk
+        beside these decodes), so that it lengthens the streams' token gaps as little as
+        its own first token allows. Why: a 72-token question after a cached 2,000-token
+        system prompt, prefilled whole beside 16 streams on the 2-core CPU, made their gap
+        ~0.3 s against ~0.07 (docs/benchmarks.md, "Short prompts spread over the TTFT
+        target").
+
+        Whole when the target is off or the costs are not measured yet; whole again once
+        the request has waited too long to spread it (each step re-plans the rest from
+        the time then left); and whole while such prompts arrive rarely enough that one
+        long gap each stays within `short_prefill_stall_share` of the streams' gaps: a
+        p95 of the gaps then never sees those stalls, and spreading would only put ~5
+        gaps at the pace's length where one was (4 streams, a question every 0.5 s:
+        ITL p95 25 ms whole against 49 spread; docs/benchmarks.md, "Whole while
+        questions are rare")."""
         cost, target = self.cost, self.config.ttft_target_s
         decode, per_token = cost.decode_time(num_decode), cost.prefill_token_s
-        if target <= 0 or not decode or not per_token:
+        if target <= 0 or not decode or not per_token or rest <= pace:
+            return rest
+        now, arrivals = self.clock(), self._short_arrivals
+        if new:
+            arrivals.append(now)
+        while arrivals and arrivals[0] < now - _ARRIVAL_WINDOW_S:
+            arrivals.popleft()
+        if len(arrivals) / _ARRIVAL_WINDOW_S * decode <= self.config.short_prefill_stall_share:
             return rest
         # Planned to finish by a share of the target: the step in flight comes first, and
         # predicted step times err on a busy host.
-        ahead = self.clock() - seq.arrived_at + decode + rest * per_token
+        ahead = now - seq.arrived_at + decode + rest * per_token
         steps = min(int((target * _TTFT_PLAN_SHARE - ahead) / decode), rest // max(1, pace))
         if steps <= 1:
             return rest

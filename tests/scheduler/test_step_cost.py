@@ -54,7 +54,8 @@ def test_unmeasured_sizes_use_the_nearest_larger_measurement():
 
 def _one_stream(**cfg_kw):
     """A Sim with one decoding stream and measured costs: decode-only 30 ms, 1 ms a
-    prefill token (so a long prompt's chunk beside it is 12 tokens)."""
+    prefill token (so a long prompt's chunk beside it is 12 tokens). Short prompts are
+    spread however rarely they come unless `short_prefill_stall_share` is given."""
     from config.settings import SchedulerConfig
 
     from .fake_runner import FakeRunner
@@ -63,6 +64,7 @@ def _one_stream(**cfg_kw):
 
     limits = StepLimits(max_decode_seqs=12, max_prefill_seqs=2, max_prefill_chunk=64,
                         max_prefill_tokens=128)
+    cfg_kw.setdefault("short_prefill_stall_share", 0.0)
     cfg = SchedulerConfig(max_step_tokens=512, short_prefill_tokens=40, min_prefill_tokens=8,
                           **cfg_kw)
     sim = Sim(FakeRunner(limits=limits, num_pages=1024), cfg)
@@ -119,6 +121,28 @@ def test_a_short_prompt_alone_goes_in_whole():
     short = sim.submit(range(500, 530))
     sim.step()
     assert _chunks_of(sim, short) == [30]
+
+
+def test_short_prompts_go_in_whole_while_they_come_rarely():
+    # Each whole prefill makes one long gap for the stream; at 30 ms a decode step, 4% of
+    # its gaps over 10 s is 13.3 such prompts: the 14th within 10 s is spread.
+    sim = _one_stream(short_prefill_stall_share=0.04)
+    chunks = []
+    for i in range(14):
+        q = sim.submit(range(500 + 40 * i, 530 + 40 * i), max_tokens=1)
+        while q.num_computed_tokens < q.num_prompt_tokens:
+            sim.step()
+        chunks.append(_chunks_of(sim, q))
+        sim.clock.advance(0.3)  # 14 questions in ~5 s
+    assert chunks[:13] == [[30]] * 13
+    assert chunks[13] == [15, 15]
+    # 10 s later the rate has fallen out of the window: whole again.
+    sim.clock.advance(10.0)
+    q = sim.submit(range(2000, 2030), max_tokens=1)
+    sim.step()
+    assert _chunks_of(sim, q) == [30]
+    # A prompt no longer than one chunk at the pace is never a stall: not counted.
+    assert len(sim.sched._short_arrivals) == 1
 
 
 def test_the_spread_follows_the_time_left():
