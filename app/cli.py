@@ -85,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel; q4_1 the projections in Q4_1 "
                         "blocks times int8 activations (default: the config's)")
-    s.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
+    s.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"],
                    help="what the KV pool stores; auto: bfloat16 beside int8 weights on "
-                        "the CPU (twice the tokens, AMX attention), else the model's dtype "
+                        "the CPU (twice the tokens, AMX attention), else the model's dtype; "
+                        "int8 (CPU): int8 rows with a scale each, 1.9x bf16's tokens "
                         "(default: the config's)")
     m = s.add_argument_group(
         "multi-host replica", "one replica over N processes (jax.distributed): process 0 "

@@ -1,15 +1,16 @@
 """The CPU backend's attention settings, A/B in one process, on whole steps of the
 embedded model's runner (default preset's int8 weights): steps of d decode rows sharing a
 2,000-token system prompt (200 tokens of their own each), with or without a p-token
-question chunk after the same prompt, and a 256-token chunk of a 6,000-token prompt of its
-own ("long"), once per variant (each runner its own, steps alternating between them).
+question chunk after the same prompt, a 256-token chunk of a 6,000-token prompt of its
+own ("long"), and that prompt's row decoding beside them ("longdec"), once per variant (each runner its own, steps alternating between them).
 A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
-never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` among them sets
-the runner's KV pool instead, and `"amx": false` keeps a bf16 pool's lane attention off
+never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` (or "int8")
+among them sets the runner's KV pool instead, and `"amx": false` keeps a bf16 pool's lane attention off
 the AMX tile unit (the AVX-512 path) for that variant's steps. Median of 5, ms. Prints one JSON line.
 
     .venv/bin/python benchmarks/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
+        [--cases 16+0 4+longdec]
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 PS, SYSTEM, OWN = 16, 2000 // 16 * 16, 200
 LONG, LONG_CHUNK = 6000 // 16 * 16, 256
 CASES = [(1, 0), (2, 0), (4, 0), (8, 0), (12, 0), (16, 0), (0, 16), (4, 16), (16, 16),
-         (0, 64), (4, "long")]
+         (0, 64), (4, "long"), (4, "longdec")]
 
 
 def plan(decodes: int, chunk) -> StepPlan:
     greedy = SamplingParams(temperature=0.0)
-    if chunk == "long":  # its last 256 tokens, after 5,744 of its own, beside d decodes
+    if chunk in ("long", "longdec"):  # its last 256 tokens, after 5,744 of its own, or
+        # its next token after all 6,000, beside d decodes
         plan = globals()["plan"](decodes, 0)
         start = SYSTEM + (decodes + 1) * (OWN // PS + 1) * PS
         pages = list(range(start // PS + 1, (start + LONG) // PS + 1))
-        chunk = SeqChunk(seq_id=98, token_ids=[9] * LONG_CHUNK, start_pos=LONG - LONG_CHUNK,
+        n = LONG_CHUNK if chunk == "long" else 1
+        chunk = SeqChunk(seq_id=98, token_ids=[9] * n, start_pos=LONG - n,
                          page_table=pages, sample=True, sampling=greedy)
         return StepPlan([*plan.chunks, chunk])
     shared = list(range(1, SYSTEM // PS + 1))
@@ -60,6 +63,7 @@ def plan(decodes: int, chunk) -> StepPlan:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["native={}", 'jnp={"native": false}'])
+    ap.add_argument("--cases", nargs="+", help="only these cases (e.g. 16+0 4+longdec)")
     args = ap.parse_args(argv)
     loaded = load_model("embedded", progress=False)
     lib = native.load()
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         runners[label] = r
     out = {}
     for decodes, chunk in CASES:
+        if args.cases and f"{decodes}+{chunk}" not in args.cases:
+            continue
         p = plan(decodes, chunk)
         for label, r in runners.items():
             lib.sluice_lane_amx(int(amx[label]))

@@ -76,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64, help="answer tokens per question")
     ap.add_argument("--candidate", choices=("int8", "bf16", "kv-bf16", "int8-kv-bf16", "q4_1",
-                                            "q4_1-kv-bf16"),
+                                            "q4_1-kv-bf16", "kv-int8", "int8-kv-int8"),
                     default="int8",
                     help="bf16: the same comparison for the f32 model run in bfloat16 "
                          "(the GPU's dtype), for scale; kv-bf16: f32 weights, a KV pool "
                          "of bf16 (kv_cache_dtype); int8-kv-bf16: both; q4_1: Q4_1 "
                          "weights x int8 activations (f32 pool), q4_1-kv-bf16 with a "
-                         "bf16 pool (the server's)")
+                         "bf16 pool (the server's); kv-int8: f32 weights, an int8 KV "
+                         "pool; int8-kv-int8: int8 weights and KV pool")
     args = ap.parse_args(argv)
     m = load_model("embedded", progress=False)
     f32 = runner(m, "none")
@@ -91,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
           "kv-bf16": lambda: runner(m, "none", kv="bfloat16"),
           "int8-kv-bf16": lambda: runner(m, "int8", kv="bfloat16"),
           "q4_1": lambda: runner(m, "q4_1", kv="float32"),
-          "q4_1-kv-bf16": lambda: runner(m, "q4_1", kv="bfloat16")}[args.candidate]()
+          "q4_1-kv-bf16": lambda: runner(m, "q4_1", kv="bfloat16"),
+          "kv-int8": lambda: runner(m, "none", kv="int8"),
+          "int8-kv-int8": lambda: runner(m, "int8", kv="int8")}[args.candidate]()
     stats = {"answer": {"agree": [], "dlp": []}, "prompt": {"agree": [], "dlp": []}}
     same = []  # tokens int8's greedy answer shares with f32's before the first difference
     for q in QUESTIONS:

@@ -181,8 +181,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # What the KV pool stores: "auto" the model's dtype (f32 on the CPU, bf16 on GPUs);
     # "bfloat16" on the CPU keeps bf16 bit patterns that the native attention kernels
     # widen as they read: twice the tokens in `kv_cache_bytes`, half the bytes a step
-    # reads (docs/operations.md, "KV cache dtype").
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # reads; "int8" (CPU) int8 rows with a scale each, 1.9x bf16's tokens (docs/
+    # operations.md, "KV cache dtype").
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     # Attention backend (pallas_kernels): auto = "pallas" on a GPU, "cpu" elsewhere.
     attention: Literal["auto", "cpu", "pallas", "pallas_interpret", "dense"] = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()

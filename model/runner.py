@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
+from pallas_kernels.backends import INT8_SCALE_BYTES
 from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
@@ -177,7 +178,8 @@ class ModelRunner:
         self.quantization = quantization
         self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n,
                                                         attention_options or {})
-        self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        row = cfg.head_dim + (INT8_SCALE_BYTES if self.kv_storage == jnp.int8 else 0)
+        self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * row
                                    * np.dtype(self.kv_storage).itemsize)
         if num_pages is None:
             num_pages = max(2, kv_cache_bytes // (self.kv_bytes_per_token * page_size))
@@ -268,16 +270,22 @@ class ModelRunner:
         AMX tile unit where the CPU has one (docs/benchmarks.md, "Lane attention on AMX
         tiles"). bf16 on the CPU is stored as its bit patterns in uint16: XLA:CPU has no
         native bf16 scatter or gather (a bf16 pool's step ran for minutes), and only the
-        native attention kernels read it, widening as they go."""
-        if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', not "
-                             f"{kv_cache_dtype!r}")
+        native attention kernels read it, widening as they go. "int8": each token's row
+        of a KV head rounded over its largest magnitude, its f32 scale beside it
+        (`backends.to_pool`): a quarter of f32's bytes and a bit more, read by the native
+        kernels only (docs/benchmarks.md, "An int8 KV pool")."""
+        if kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or "
+                             f"'int8', not {kv_cache_dtype!r}")
         dtype = self.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
         if (kv_cache_dtype == "auto" and self.quantization in NATIVE_WEIGHTS
                 and attention in (None, "cpu") and tp_n == 1
                 and attention_options.get("native") is not False):
             dtype = jnp.dtype(jnp.bfloat16)  # int8 means the native kernels are here
-        if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+        if dtype == jnp.int8 and jax.default_backend() != "cpu":
+            raise ValueError("an int8 KV pool is read by the CPU backend's native kernels "
+                             "only; on an accelerator use 'auto' or 'bfloat16'")
+        if dtype not in (jnp.bfloat16, jnp.int8) or jax.default_backend() != "cpu":
             return dtype, dtype
         from pallas_kernels.native import available
 
@@ -286,10 +294,10 @@ class ModelRunner:
                 or attention_options.get("native") is False):
             if kv_cache_dtype == "auto":  # a bf16 model's own pool, read by jnp (slow)
                 return dtype, dtype
-            raise ValueError("a bfloat16 KV pool on the CPU needs the CPU attention backend's "
-                             "native kernels and tensor_parallel = 1" +
+            raise ValueError(f"a {dtype.name} KV pool on the CPU needs the CPU attention "
+                             "backend's native kernels and tensor_parallel = 1" +
                              ("" if ok else f" (native kernels unavailable: {why})"))
-        return dtype, jnp.dtype(jnp.uint16)
+        return dtype, jnp.dtype(jnp.int8 if dtype == jnp.int8 else jnp.uint16)
 
     def _new_pool(self) -> tuple:
         """The zeroed K and V pools, made where they live (on their shards, with TP)."""

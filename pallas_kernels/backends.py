@@ -11,8 +11,9 @@ A backend owns everything between the plan and that call:
 - inside the compiled step, `attend()` reads one layer of the KV pool with that metadata.
 
 The KV pool is one array for K and one for V, `[layers * pages, page_size, kv_heads,
-head_dim]`: layer l's page p is row `l * pages + p` (`PoolLayout.pages`), so one layer's
-view is a page offset, never a copy. Page 0 of each layer is the null page.
+head_dim]` (an int8 pool: `head_dim + 4`, `to_pool`): layer l's page p is row
+`l * pages + p` (`PoolLayout.pages`), so one layer's view is a page offset, never a copy.
+Page 0 of each layer is the null page.
 
 Registry: `pallas_kernels.BACKENDS` maps a name to its class; adding one (a TPU kernel,
 say) is a file with a subclass and a line there.
@@ -28,19 +29,43 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Bytes an int8 pool's row of one token and KV head keeps after its values: their scale.
+INT8_SCALE_BYTES = 4
+
+
 def to_pool(x, dtype):
-    """Keys or values as a pool of `dtype` stores them: cast, or, for a uint16 pool, the
-    bit patterns of their bf16 values (the CPU's bf16 pool; the native kernels widen them
-    as they read)."""
+    """Keys or values [..., head_dim] as a pool of `dtype` stores them: cast; for a uint16
+    pool, the bit patterns of their bf16 values (the CPU's bf16 pool; the native kernels
+    widen them as they read); for an int8 pool, each row (one token, one KV head) rounded
+    to int8 over its largest magnitude, the row's f32 scale appended as 4 bytes
+    ([..., head_dim + 4]; the native kernels multiply it back as they read)."""
     if np.dtype(dtype) == np.uint16:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    if np.dtype(dtype) == np.int8:
+        x = x.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+        scale = jnp.where(scale > 0, scale, 1.0)
+        q = jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8)
+        return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8)[..., 0, :]],
+                               axis=-1)
     return x.astype(dtype)
+
+
+def from_pool(rows, head_dim: int):
+    """An int8 pool's rows [..., head_dim + 4] back as f32 [..., head_dim] (tests, and any
+    reader without the native kernels' own widening); other pools' rows as f32."""
+    if rows.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(rows, jnp.bfloat16).astype(jnp.float32)
+    if rows.dtype != jnp.int8:
+        return rows.astype(jnp.float32)
+    scale = jax.lax.bitcast_convert_type(rows[..., head_dim:], jnp.float32)
+    return rows[..., :head_dim].astype(jnp.float32) * scale[..., None]
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
     """The shape of the KV page pool a backend reads (`dtype`: the array's; uint16 holds
-    bf16 bit patterns, `to_pool`)."""
+    bf16 bit patterns, int8 rows carry their scale, `to_pool`)."""
 
     layers: int
     pages: int  # pages per layer, the null page 0 included
@@ -51,8 +76,13 @@ class PoolLayout:
     pages_per_seq: int  # page-table width the runner packs
 
     @property
+    def row(self) -> int:
+        """Elements a token's row of one KV head takes: head_dim, and an int8 pool's scale."""
+        return self.head_dim + (INT8_SCALE_BYTES if np.dtype(self.dtype) == np.int8 else 0)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.layers * self.pages, self.page_size, self.kv_heads, self.head_dim)
+        return (self.layers * self.pages, self.page_size, self.kv_heads, self.row)
 
 
 @dataclasses.dataclass

@@ -59,17 +59,18 @@ class CpuBackend(AttentionBackend):
         # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
         # where they build fast (or the pool is bf16 bits, which only they read) and the
         # pool is f32 or bf16 bits (otherwise the jnp cascade).
-        bits = np.dtype(pool.dtype) == np.uint16  # bf16 bit patterns: native kernels only
+        # bf16 bit patterns and int8 rows with their scale: the native kernels only
+        bits = np.dtype(pool.dtype) in (np.uint16, np.int8)
         if native is None:
             from .native import available, fast
 
             native = (available() if bits else fast())[0]
-        self.native = bool(native) and np.dtype(pool.dtype) in (np.float32, np.uint16) and \
-            pool.head_dim % 16 == 0 and pool.head_dim <= 256
+        self.native = bool(native) and np.dtype(pool.dtype) in (np.float32, np.uint16, np.int8) \
+            and pool.head_dim % 16 == 0 and pool.head_dim <= 256
         if bits and not self.native:
-            raise ValueError("a KV pool of bf16 bit patterns is read by the native kernels "
-                             "only (they are unavailable, or the head dimension is not a "
-                             "multiple of 16 up to 256)")
+            raise ValueError(f"a KV pool of {'int8' if pool.dtype == np.int8 else 'bf16 bit'} "
+                             "rows is read by the native kernels only (they are unavailable, "
+                             "or the head dimension is not a multiple of 16 up to 256)")
         # A decode group reads a shared prefix once for its rows from this many rows on;
         # fewer walk it themselves. None: from 2 rows, but from 6 where the lane walk has
         # vectors of 8 (AVX2): there the rows' own walks (split in spans over the threads)

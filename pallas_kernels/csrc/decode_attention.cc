@@ -10,7 +10,8 @@
 //
 //   q       f32 [S, KVH, G, D]: one query per row, pre-scaled by 1/sqrt(D), its G heads
 //           sharing KV head k;
-//   k, v    f32 or uint16 (bf16 bit patterns, widened as read) [P, PS, KVH, D]: the page
+//   k, v    f32 or uint16 (bf16 bit patterns, widened as read) [P, PS, KVH, D], or int8
+//           [P, PS, KVH, D + 4] (each row's D values, then their f32 scale): the page
 //           pool (all layers);
 //   offset  int32 []: the pool row of this layer's page 0;
 //   tables  int32 [S, W]: each row's page ids (this layer's numbering);
@@ -36,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -61,11 +63,34 @@ constexpr int64_t kL2Ahead = 4;
 
 struct Args {
   const float *q, *m0, *l0, *acc0;
-  const void *k, *v;  // the pool: float, or uint16_t holding bf16 bits (walk_span's T)
+  const void *k, *v;  // the pool: float, uint16_t holding bf16 bits or int8 (walk_span's T)
   const int32_t *tables, *start, *ctx;
   float* out;
-  int64_t kvh, g, d, ps, w, offset, pages;
+  int64_t kvh, g, d, hs, ps, w, offset, pages;  // hs: elements a head's row takes (d + 4: int8)
 };
+
+// An int8 pool's keys are scaled as scored, its values by weighting them (p_i s_i v_i),
+// the softmax's sum left unscaled; f32 and bf16 rows have nothing to scale.
+template <typename T>
+inline void scale_scores(float (*s)[kChunk], const T* const* kp, int64_t n, int64_t g,
+                         int64_t d) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int i = 0; i < n; ++i) {
+      const float k = sluice::row_scale(kp[i], d);
+      for (int64_t j = 0; j < g; ++j) s[j][i] *= k;
+    }
+  }
+}
+template <typename T>
+inline void scale_weights(float (*p)[kChunk], const T* const* vp, int64_t n, int64_t g,
+                          int64_t d) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int i = 0; i < n; ++i) {
+      const float v = sluice::row_scale(vp[i], d);
+      for (int64_t j = 0; j < g; ++j) p[j][i] *= v;
+    }
+  }
+}
 
 // One chunk of n keys (kp, vp: where each lies) for the G query heads (q [G][D]) of one
 // KV head: scores, the online softmax's update of m, l [G] and acc [G][D].
@@ -88,6 +113,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     }
     for (int64_t j = 0; j < g; ++j) s[j][i] = _mm512_reduce_add_ps(dot[j]);
   }
+  scale_scores<T>(s, kp, n, g, d);
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
   alignas(64) float p[kMaxG][kChunk];
   float corr[kMaxG];
@@ -101,6 +127,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(pv);
     m[j] = m_new;
   }
+  scale_weights<T>(p, vp, n, g, d);
   for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i
     __m512 av[kMaxG];
     for (int64_t j = 0; j < g; ++j)
@@ -145,6 +172,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     }
     for (int64_t j = 0; j < g; ++j) s[j][i] = sluice::sum8(dot[j]);
   }
+  scale_scores<T>(s, kp, n, g, d);
   alignas(64) float p[kMaxG][kChunk];
   float corr[kMaxG];
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -164,6 +192,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     l[j] = l[j] * corr[j] + sluice::sum8(sum);
     m[j] = m_new;
   }
+  scale_weights<T>(p, vp, n, g, d);
   for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
     // at a time: two sums a head in flight
     __m256 av[kMaxG], aw[kMaxG];
@@ -189,7 +218,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     for (int64_t j = 0; j < g; ++j) {
       float dot = 0.f;
       for (int64_t c = 0; c < d; ++c) dot += q[j * d + c] * sluice::widen1(kp[i] + c);
-      s[j][i] = dot;
+      s[j][i] = dot * sluice::row_scale(kp[i], d);
     }
   for (int64_t j = 0; j < g; ++j) {
     float m_new = m[j];
@@ -198,9 +227,9 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     l[j] *= corr;
     for (int64_t c = 0; c < d; ++c) acc[j * d + c] *= corr;
     for (int i = 0; i < n; ++i) {
-      const float p = std::exp(s[j][i] - m_new);
+      const float p = std::exp(s[j][i] - m_new), pv = p * sluice::row_scale(vp[i], d);
       l[j] += p;
-      for (int64_t c = 0; c < d; ++c) acc[j * d + c] += p * sluice::widen1(vp[i] + c);
+      for (int64_t c = 0; c < d; ++c) acc[j * d + c] += pv * sluice::widen1(vp[i] + c);
     }
     m[j] = m_new;
   }
@@ -220,7 +249,7 @@ void walk_span(const Args& a, int64_t r, int64_t t0, int64_t t1, float* m, float
   const T* vpool = static_cast<const T*>(a.v);
   const int64_t g = G ? G : a.g, d = a.d, kvh = a.kvh;
   const int32_t* table = a.tables + r * a.w;
-  const int64_t row_stride = kvh * d;  // elements between consecutive tokens of a page
+  const int64_t hs = a.hs, row_stride = kvh * hs;  // elements between a page's tokens
   auto chunk_at = [&](int64_t t, int64_t* n) {  // up to kChunk keys of one page
     const int64_t pi = t / a.ps, off = t - pi * a.ps;
     *n = std::min<int64_t>(std::min<int64_t>(kChunk, t1 - t), a.ps - off);
@@ -252,8 +281,8 @@ void walk_span(const Args& a, int64_t r, int64_t t0, int64_t t1, float* m, float
         _mm_prefetch(reinterpret_cast<const char*>(vpool + atj + i), _MM_HINT_T0);
       }
       for (int i = 0; i < n; ++i) {
-        kp[i] = kpool + at + i * row_stride + h * d;
-        vp[i] = vpool + at + i * row_stride + h * d;
+        kp[i] = kpool + at + i * row_stride + h * hs;
+        vp[i] = vpool + at + i * row_stride + h * hs;
       }
       head_chunk<T, G>(a.q + (r * kvh + h) * g * d, kp, vp, n, g, d, m + h * g, l + h * g,
                        acc + h * g * d);
@@ -294,10 +323,12 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("sluice_decode_attention: bad ranks");
   const auto et = k.element_type();
-  if (v.element_type() != et || (et != ffi::DataType::F32 && et != ffi::DataType::U16) ||
+  if (v.element_type() != et ||
+      (et != ffi::DataType::F32 && et != ffi::DataType::U16 && et != ffi::DataType::S8) ||
       v.dimensions().size() != 4)
     return ffi::Error::InvalidArgument(
-        "sluice_decode_attention: k and v must be one f32 or uint16 (bf16 bits) pool shape");
+        "sluice_decode_attention: k and v must be one f32, uint16 (bf16 bits) or int8 pool "
+        "shape");
   Args a;
   const int64_t rows = qd[0];
   a.kvh = qd[1];
@@ -306,7 +337,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.pages = kd[0];
   a.ps = kd[1];
   a.w = td[1];
-  if (kd[2] != a.kvh || kd[3] != a.d || td[0] != rows || a.g > kMaxG || a.d > kMaxD ||
+  a.hs = a.d + (et == ffi::DataType::S8 ? 4 : 0);
+  if (kd[2] != a.kvh || kd[3] != a.hs || td[0] != rows || a.g > kMaxG || a.d > kMaxD ||
       a.d % 16)
     return ffi::Error::InvalidArgument("sluice_decode_attention: shapes do not agree");
   a.offset = offset.typed_data()[0];
@@ -320,7 +352,6 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.start = start.typed_data();
   a.ctx = ctx.typed_data();
   a.out = out->typed_data();
-  const bool bits = et == ffi::DataType::U16;
   const int64_t heads = a.kvh * a.g, hd = heads * a.d;  // per row: m, l [heads], acc [hd]
   thread_local std::vector<Span> spans;
   thread_local std::vector<int64_t> first;  // each row's first span
@@ -355,7 +386,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       std::fill_n(l, heads, 0.f);
       std::fill_n(acc, hd, 0.f);
     }
-    if (bits) by_group<uint16_t>(a, s.r, s.t0, s.t1, m, l, acc);
+    if (et == ffi::DataType::U16) by_group<uint16_t>(a, s.r, s.t0, s.t1, m, l, acc);
+    else if (et == ffi::DataType::S8) by_group<int8_t>(a, s.r, s.t0, s.t1, m, l, acc);
     else by_group<float>(a, s.r, s.t0, s.t1, m, l, acc);
   });
   for (int64_t r = 0; r < rows; ++r) {  // merge each row's spans in order, normalize

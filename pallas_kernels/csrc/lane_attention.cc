@@ -20,8 +20,9 @@
 // sluice_prefill_attention
 //   q       f32 [S, NQ, KVH, G, D]: a block of NQ queries per row, pre-scaled by
 //           1/sqrt(D); query i of row r sits at position ctx[r] - qlen[r] + i;
-//   k, v    f32 or uint16 (bf16 bit patterns, widened as read) [P, PS, KVH, D]: the page
-//           pool (all layers);
+//   k, v    f32 or uint16 (bf16 bit patterns, widened as read) [P, PS, KVH, D], or int8
+//           [P, PS, KVH, D + 4] (each row's D values, then their f32 scale; widened and
+//           scaled as read, never on the tile unit): the page pool (all layers);
 //   offset  int32 []: the pool row of this layer's page 0;
 //   tables  int32 [S, W]: each row's page ids (this layer's numbering);
 //   ctx     int32 [S]: the row's keys in the pool (this step's included);
@@ -73,10 +74,13 @@ constexpr float kNeg = -1e30f;
 // widening of each chunk waiting on memory; docs/benchmarks.md, twenty-seventh session).
 constexpr int64_t kAhead = 4;
 
+enum class Kind { f32, bf16, int8 };
+
 struct Pool {
-  const void *k, *v;  // float, or uint16_t holding bf16 bits (`bits`; widened as read)
+  const void *k, *v;  // float, uint16_t holding bf16 bits, or int8 (`kind`; widened as read)
   int64_t kvh, d, ps, pages, offset;
-  bool bits;
+  int64_t hs;         // elements of a head's row: d, or d + 4 (int8: its scale follows)
+  Kind kind;
 };
 
 // Up to 48 queries of one KV head that read the same keys, and their online softmax
@@ -114,15 +118,55 @@ struct Lanes {
   int32_t last() const { return *std::max_element(pos, pos + n); }
 };
 
-// Where the chunk at key t of `table` lies in the pool (floats), and its keys (`n`: up to
-// kChunk, within one page, before t1).
+// Where the chunk at key t of `table` lies in the pool (elements), and its keys (`n`: up
+// to kChunk, within one page, before t1).
 inline int64_t chunk_at(const Pool& P, const int32_t* table, int64_t h, int64_t t,
                         int64_t t1, int64_t* n) {
   const int64_t pi = t / P.ps, off = t - pi * P.ps;
   *n = std::min<int64_t>(std::min<int64_t>(kChunk, t1 - t), P.ps - off);
   const int64_t page = std::min<int64_t>(std::max<int32_t>(table[pi], 0),
                                          P.pages - 1 - P.offset) + P.offset;
-  return ((page * P.ps + off) * P.kvh + h) * P.d;
+  return ((page * P.ps + off) * P.kvh + h) * P.hs;
+}
+
+// A chunk's n key and value rows (from pool element `at`, rs apart) widened to f32 rows
+// kw, vw, W floats apart, int8 rows scaled: the walks then read them as an f32 pool's.
+template <typename T>
+inline void widen_chunk(const Pool& P, int64_t at, int64_t n, float* kw, float* vw, int W) {
+  const T* kpool = static_cast<const T*>(P.k);
+  const T* vpool = static_cast<const T*>(P.v);
+  const int64_t d = P.d, rs = P.kvh * P.hs;
+  for (int64_t i = 0; i < n; ++i) {
+    const T *kr = kpool + at + i * rs, *vr = vpool + at + i * rs;
+    float *ko = kw + i * W, *vo = vw + i * W;
+#ifdef __AVX512F__
+    const __m512 ks = _mm512_set1_ps(sluice::row_scale(kr, d));
+    const __m512 vs = _mm512_set1_ps(sluice::row_scale(vr, d));
+    for (int64_t c = 0; c < d; c += 16) {
+      if constexpr (sizeof(T) == 1) {
+        _mm512_store_ps(ko + c, _mm512_mul_ps(sluice::widen16(kr + c), ks));
+        _mm512_store_ps(vo + c, _mm512_mul_ps(sluice::widen16(vr + c), vs));
+      } else {
+        _mm512_store_ps(ko + c, sluice::widen16(kr + c));
+        _mm512_store_ps(vo + c, sluice::widen16(vr + c));
+      }
+    }
+#elif defined(SLUICE_AVX2)
+    const __m256 ks = _mm256_set1_ps(sluice::row_scale(kr, d));
+    const __m256 vs = _mm256_set1_ps(sluice::row_scale(vr, d));
+    for (int64_t c = 0; c < d; c += 8) {
+      if constexpr (sizeof(T) == 1) {
+        _mm256_store_ps(ko + c, _mm256_mul_ps(sluice::widen8(kr + c), ks));
+        _mm256_store_ps(vo + c, _mm256_mul_ps(sluice::widen8(vr + c), vs));
+      } else {
+        _mm256_store_ps(ko + c, sluice::widen8(kr + c));
+        _mm256_store_ps(vo + c, sluice::widen8(vr + c));
+      }
+    }
+#else
+    (void)ko, (void)vo, (void)kr, (void)vr;
+#endif
+  }
 }
 
 // The chunk's key and value rows for a walk (kChunk of them: keys past n repeat the last,
@@ -130,10 +174,10 @@ inline int64_t chunk_at(const Pool& P, const int32_t* table, int64_t h, int64_t 
 template <typename T, int W>
 inline void chunk_rows(const Pool& P, int64_t at, int64_t n, const float (*kw)[W],
                        const float (*vw)[W], const float** kp, const float** vp) {
-  const int64_t rs = P.kvh * P.d;
+  const int64_t rs = P.kvh * P.hs;
   for (int i = 0; i < kChunk; ++i) {
     const int64_t r = std::min<int64_t>(i, n - 1);
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) != 4) {
       kp[i] = kw[r];
       vp[i] = vw[r];
     } else {
@@ -150,11 +194,11 @@ inline void prefetch_chunk(const Pool& P, const int32_t* table, int64_t h, int64
                            int64_t t1) {
   if (t >= t1) return;
   int64_t n;
-  const int64_t at = chunk_at(P, table, h, t, t1, &n), rs = P.kvh * P.d;
+  const int64_t at = chunk_at(P, table, h, t, t1, &n), rs = P.kvh * P.hs;
   const T* k = static_cast<const T*>(P.k) + at;
   const T* v = static_cast<const T*>(P.v) + at;
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < P.d; c += 64 / sizeof(T)) {
+    for (int64_t c = 0; c < P.hs; c += 64 / sizeof(T)) {
       _mm_prefetch(reinterpret_cast<const char*>(k + i * rs + c), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v + i * rs + c), _MM_HINT_T0);
     }
@@ -223,27 +267,20 @@ template <int NV, typename T>
 void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
           Lanes& L) {
   constexpr int kKeys = 8, kDims = NV == 1 ? 16 : 8;
-  const int64_t d = P.d, rs = P.kvh * d;  // rs: values between a page's tokens
-  const T* kpool = static_cast<const T*>(P.k);
-  const T* vpool = static_cast<const T*>(P.v);
+  constexpr bool kWiden = sizeof(T) != 4;
+  const int64_t d = P.d;
   __m512i pos[NV];
   __m512 m[NV], l[NV];
   state_in<NV>(L, pos, m, l);
   alignas(64) float s[kChunk * 16 * NV];  // scores, then weights: [key][lane]
-  // A chunk's keys and values widened to f32 (bf16 pools only).
-  alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
-  alignas(64) float vw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 16];
+  // A chunk's keys and values widened to f32 (bf16 and int8 pools).
+  alignas(64) float kw[kWiden ? kChunk : 1][kWiden ? kMaxD : 16];
+  alignas(64) float vw[kWiden ? kChunk : 1][kWiden ? kMaxD : 16];
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
     const float* kp[kChunk];
     const float* vp[kChunk];
-    if constexpr (sizeof(T) == 2) {  // bf16 bits: the chunk widened once, then as f32
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t c = 0; c < d; c += 16) {
-          _mm512_store_ps(kw[i] + c, sluice::widen16(kpool + at + i * rs + c));
-          _mm512_store_ps(vw[i] + c, sluice::widen16(vpool + at + i * rs + c));
-        }
-    }
+    if constexpr (kWiden) widen_chunk<T>(P, at, n, kw[0], vw[0], kMaxD);
     chunk_rows<T>(P, at, n, kw, vw, kp, vp);
     prefetch_chunk<T>(P, table, h, t + n, t1);
     for (int i = 0; i < n; i += kKeys) {
@@ -339,25 +376,18 @@ template <typename T>
 void walk8(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
            Lanes& L) {
   const int nv = (L.n + 7) / 8;
-  const int64_t d = P.d, rs = P.kvh * d;
-  const T* kpool = static_cast<const T*>(P.k);
-  const T* vpool = static_cast<const T*>(P.v);
+  constexpr bool kWiden = sizeof(T) != 4;
+  const int64_t d = P.d;
   alignas(64) float s[kChunk * kMaxLanes];  // scores, then weights: [key][lane]
   alignas(64) float corr[kMaxLanes];
-  alignas(64) float kw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 8];
-  alignas(64) float vw[sizeof(T) == 2 ? kChunk : 1][sizeof(T) == 2 ? kMaxD : 8];
+  alignas(64) float kw[kWiden ? kChunk : 1][kWiden ? kMaxD : 8];
+  alignas(64) float vw[kWiden ? kChunk : 1][kWiden ? kMaxD : 8];
   for (int64_t j = 0; j + 1 < kAhead; ++j) prefetch_chunk<T>(P, table, h, t0 + j * kChunk, t1);
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
     const float* kp[kChunk];
     const float* vp[kChunk];
-    if constexpr (sizeof(T) == 2) {  // bf16 bits: the chunk widened once, then as f32
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t c = 0; c < d; c += 8) {
-          _mm256_store_ps(kw[i] + c, sluice::widen8(kpool + at + i * rs + c));
-          _mm256_store_ps(vw[i] + c, sluice::widen8(vpool + at + i * rs + c));
-        }
-    }
+    if constexpr (kWiden) widen_chunk<T>(P, at, n, kw[0], vw[0], kMaxD);
     chunk_rows<T>(P, at, n, kw, vw, kp, vp);
     prefetch_chunk<T>(P, table, h, t + n + (kAhead - 1) * kChunk, t1);
     for (int v = 0; v < nv; v += 2) {
@@ -607,7 +637,7 @@ void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
 #elif defined(SLUICE_AVX2)
   return walk8<T>(P, table, h, t0, t1, L);
 #else
-  const int64_t d = P.d, rs = P.kvh * d;
+  const int64_t d = P.d, rs = P.kvh * P.hs;
   const T* kpool = static_cast<const T*>(P.k);
   const T* vpool = static_cast<const T*>(P.v);
   for (int64_t t = t0, n; t < t1; t += n) {
@@ -617,6 +647,7 @@ void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
       for (int64_t i = 0; i < n; ++i) {
         float dot = 0.f;
         for (int64_t c = 0; c < d; ++c) dot += L.qt[c][j] * sluice::widen1(kpool + at + i * rs + c);
+        dot *= sluice::row_scale(kpool + at + i * rs, d);
         s[i] = t + i <= L.pos[j] ? dot : kNeg;
         mx = std::max(mx, s[i]);
       }
@@ -626,8 +657,9 @@ void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
       for (int64_t i = 0; i < n; ++i) {
         if (t + i > L.pos[j]) continue;
         const float p = std::exp(s[i] - mx);
+        const float pv = p * sluice::row_scale(vpool + at + i * rs, d);
         L.l[j] += p;
-        for (int64_t c = 0; c < d; ++c) L.acc[c][j] += p * sluice::widen1(vpool + at + i * rs + c);
+        for (int64_t c = 0; c < d; ++c) L.acc[c][j] += pv * sluice::widen1(vpool + at + i * rs + c);
       }
       L.m[j] = mx;
     }
@@ -637,8 +669,11 @@ void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
 
 void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
           Lanes& L) {
-  if (P.bits) walk_pool<uint16_t>(P, table, h, t0, t1, L);
-  else walk_pool<float>(P, table, h, t0, t1, L);
+  switch (P.kind) {
+    case Kind::bf16: return walk_pool<uint16_t>(P, table, h, t0, t1, L);
+    case Kind::int8: return walk_pool<int8_t>(P, table, h, t0, t1, L);
+    default: return walk_pool<float>(P, table, h, t0, t1, L);
+  }
 }
 
 // A set of lanes and the keys [0, end) they read through `table` (KV head h).
@@ -714,7 +749,7 @@ void run(ffi::ThreadPool& pool, const Pool& P, const float* q, const std::vector
 }
 
 bool check(const Pool& P, int64_t kvh, int64_t d, ffi::Span<const int64_t> kd) {
-  return kd.size() == 4 && kd[2] == kvh && kd[3] == d && d % 16 == 0 && d <= kMaxD &&
+  return kd.size() == 4 && kd[2] == kvh && kd[3] == P.hs && d % 16 == 0 && d <= kMaxD &&
          P.ps > 0;
 }
 
@@ -722,10 +757,12 @@ Pool pool_of(ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& offset
              int64_t kvh, int64_t d) {
   const auto kd = k.dimensions();
   const auto et = k.element_type();
-  const bool ok = (et == ffi::DataType::F32 || et == ffi::DataType::U16) &&
-                  v.element_type() == et && kd.size() == 4;
+  const bool ok = (et == ffi::DataType::F32 || et == ffi::DataType::U16 ||
+                   et == ffi::DataType::S8) && v.element_type() == et && kd.size() == 4;
+  const Kind kind = et == ffi::DataType::U16 ? Kind::bf16
+                    : et == ffi::DataType::S8 ? Kind::int8 : Kind::f32;
   return Pool{k.untyped_data(), v.untyped_data(), kvh, d, ok ? kd[1] : 0, ok ? kd[0] : 0,
-              offset.typed_data()[0], et == ffi::DataType::U16};
+              offset.typed_data()[0], d + (kind == Kind::int8 ? 4 : 0), kind};
 }
 
 ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,

@@ -8,13 +8,24 @@
 
 namespace sluice {
 
-// Values stored as f32, or as bf16 bit patterns (uint16: the upper half of an f32),
-// widened to f32 where they are read.
+// Values stored as f32, as bf16 bit patterns (uint16: the upper half of an f32), or as
+// int8 (a KV pool's int8 rows: D values, then their f32 scale; `row_scale`), widened to
+// f32 where they are read (int8: not yet scaled).
 inline float widen1(const float* p) { return *p; }
 inline float widen1(const uint16_t* p) {
   const uint32_t u = static_cast<uint32_t>(*p) << 16;
   float f;
   std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float widen1(const int8_t* p) { return static_cast<float>(*p); }
+
+// The scale of a KV pool row of d values (1 but for int8 rows, whose scale follows them).
+template <typename T>
+inline float row_scale(const T*, int64_t) { return 1.f; }
+inline float row_scale(const int8_t* row, int64_t d) {
+  float f;
+  std::memcpy(&f, row + d, 4);
   return f;
 }
 
@@ -23,6 +34,10 @@ inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 widen16(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 #endif
 
@@ -98,6 +113,10 @@ inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 widen8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
 // r[i] becomes column i of the 8 x 8 matrix whose rows were r[0..7].

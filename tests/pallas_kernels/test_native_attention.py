@@ -1,6 +1,7 @@
 """The native attention kernels' portable build (no AVX-512: a CI machine may be one)
 against the dense reference: prefill blocks, and a shared prefix then each row's own
-pages, over f32 pools and over pools of bf16 bit patterns. The default build is checked through the CPU backend (test_backends.py);
+pages, over f32 pools, pools of bf16 bit patterns and int8 pools (each row's scale after
+it). The default build is checked through the CPU backend (test_backends.py);
 here too where it reads a bf16 pool through the AMX tile unit (queries and weights
 rounded to bf16: within bf16's precision of the reference, and the build without AMX
 exactly as before)."""
@@ -14,9 +15,20 @@ import pytest
 from pallas_kernels import native, paged_attention_dense
 
 
-def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8, g=3, ctx=()):
-    """`bits`: the pools hold bf16 bit patterns (uint16), the reference reads the same
-    values widened to f32. `ctx`: the first rows' context lengths (else random)."""
+def _int8_rows(x):
+    """x [..., d] as an int8 pool stores it, by numpy: each row rounded over its largest
+    magnitude, its f32 scale's 4 bytes after it; and the values that stands for."""
+    scale = np.abs(x).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.round(x / scale), -127, 127).astype(np.int8)
+    rows = np.concatenate([q, scale.astype("<f4").view(np.int8)], axis=-1)
+    return rows, q.astype(np.float32) * scale
+
+
+def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8, g=3, ctx=(), int8=False):
+    """`bits`: the pools hold bf16 bit patterns (uint16), `int8`: int8 rows and their
+    scales; the reference reads the same values as f32. `ctx`: the first rows' context
+    lengths (else random)."""
     rng = np.random.default_rng(seed)
     kvh = 2
     pages = 3 + rows * (width - 2)
@@ -24,6 +36,8 @@ def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8, g=3, ctx=()):
     k, v = (rng.standard_normal(pool).astype(np.float32) for _ in range(2))
     if bits:
         k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16)) for a in (k, v))
+    if int8:
+        (k8, k), (v8, v) = _int8_rows(k), _int8_rows(v)
     ids = rng.permutation(np.arange(1, pages))
     tables = np.zeros((rows, width), np.int32)
     tables[:, :2] = ids[:2]  # every row starts with the same two pages (2 ps keys)
@@ -38,21 +52,27 @@ def _case(rows, queries, seed, bits=False, d=16, ps=4, width=8, g=3, ctx=()):
     qg = jnp.asarray(q * d ** -0.5).reshape(rows, queries, kvh, g, d)
     if bits:
         k, v = k.view(np.uint16), v.view(np.uint16)
+    if int8:
+        k, v = k8, v8
     return qg, jnp.asarray(k), jnp.asarray(v), tables, ctx, ql, ref
 
 
-@pytest.mark.parametrize("bits", [False, True], ids=["f32-pool", "bf16-bits-pool"])
-def test_portable_prefill_matches_dense(portable, bits):
-    qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0, bits)
+POOLS = [dict(), dict(bits=True), dict(int8=True)]
+POOL_IDS = ["f32-pool", "bf16-bits-pool", "int8-pool"]
+
+
+@pytest.mark.parametrize("kind", POOLS, ids=POOL_IDS)
+def test_portable_prefill_matches_dense(portable, kind):
+    qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0, **kind)
     for target in (native.PREFILL_TARGET, portable[native.PREFILL_TARGET]):
         out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql, target=target)
         np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [False, True], ids=["f32-pool", "bf16-bits-pool"])
-def test_portable_prefix_then_own_pages_match_dense(portable, bits):
-    qg, k, v, tables, ctx, ql, ref = _case(20, 1, 1, bits)  # 20 rows x 3 heads: two tasks
+@pytest.mark.parametrize("kind", POOLS, ids=POOL_IDS)
+def test_portable_prefix_then_own_pages_match_dense(portable, kind):
+    qg, k, v, tables, ctx, ql, ref = _case(20, 1, 1, **kind)  # 20 rows x 3 heads: two tasks
     shared = np.zeros((2, tables.shape[1]), np.int32)
     shared[0, :2] = tables[0, :2]
     rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
@@ -68,14 +88,15 @@ def test_portable_prefix_then_own_pages_match_dense(portable, bits):
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("g", [3, 9], ids=["group-of-3", "group-of-9-read-at-run-time"])
-def test_long_rows_walk_in_spans_merged_and_independent_of_their_batch(g):
+@pytest.mark.parametrize("g,int8", [(3, False), (9, False), (3, True)],
+                         ids=["group-of-3", "group-of-9-read-at-run-time", "int8-pool"])
+def test_long_rows_walk_in_spans_merged_and_independent_of_their_batch(g, int8):
     """Rows of up to 2,500 keys: their own keys walked in spans of 1,024 positions shared
     by the threads and merged (one row continuing a 16-key prefix, so that its first
     span starts mid-span), as the dense reference; each row's result bit for bit what it
     is alone (its spans do not depend on the other rows)."""
-    qg, k, v, tables, ctx, ql, ref = _case(4, 1, 5, True, d=64, ps=16, width=160, g=g,
-                                           ctx=[2500, 700, 1030])
+    qg, k, v, tables, ctx, ql, ref = _case(4, 1, 5, not int8, d=64, ps=16, width=160, g=g,
+                                           ctx=[2500, 700, 1030], int8=int8)
     shared = np.zeros((2, tables.shape[1]), np.int32)
     shared[0, :1] = tables[0, :1]
     rows_of = np.array([0, 0, 1, 0], np.int32)
@@ -137,3 +158,26 @@ def test_amx_walks_split_in_parts_read_their_blocks_in_place():
     qg, k, v, tables, ctx, ql, ref = _case(3, 5, 4, True, d=64, ps=16, width=100)
     assert ctx.max() > 2 * 512
     _bf16_close(native.prefill_attention(qg, k, v, 0, tables, ctx, ql), ref)
+
+
+def test_the_engine_writes_int8_rows_as_the_kernels_read_them():
+    """`backends.to_pool` (the step's write) against this file's numpy rows: the same
+    values and scales (XLA may round the scale's division in its last bit, and so a
+    value at a rounding boundary by one), laid out as the kernels read them (values,
+    then the scale's 4 bytes, little-endian); `from_pool` the values they stand for; a
+    row of zeros keeps scale 1."""
+    from pallas_kernels.backends import from_pool, to_pool
+
+    x = np.random.default_rng(7).standard_normal((5, 2, 64)).astype(np.float32) * 3
+    x[0, 1] = 0
+    rows, values = _int8_rows(x)
+    got = np.asarray(to_pool(jnp.asarray(x), np.int8))
+    assert got.shape == (5, 2, 68) and got.dtype == np.int8
+    scale = got[..., 64:].copy().view("<f4")[..., 0]
+    np.testing.assert_allclose(scale, rows[..., 64:].copy().view("<f4")[..., 0], rtol=1e-6)
+    assert scale[0, 1] == 1 and not got[0, 1, :64].any()
+    diff = np.abs(got[..., :64].astype(int) - rows[..., :64])
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+    back = np.asarray(from_pool(jnp.asarray(got), 64))
+    np.testing.assert_allclose(back, got[..., :64] * scale[..., None], rtol=1e-6)
+    assert np.abs(back - x).max() <= np.abs(x).max() / 127 / 2 * 1.01
