@@ -61,13 +61,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_floor_s: float = 0.05
     prefill_slowdown: float = 0.4
     min_prefill_tokens: int = 16
-    short_prefill_tokens: int = 256  # a prompt with at most this much left is prefilled whole
+    short_prefill_tokens: int = 256  # a prompt of at most this many uncached tokens: whole
     # ... or, beside running decodes, spread over as many chunks (each at least a long
     # prompt's) as ttft_target_s leaves room for, to keep the streams' token gaps short.
     split_short_prefill: bool = True
     # ... but only once such prompts arrive often enough that prefilling each whole would
     # stall more than this share of a stream's token gaps (arrivals a second, over the
-    # last 10 s, times the decode step). Rarer, a whole prefill's one long gap per stream
+    # last 10 s, times the streams' recent mean gap). Rarer, a whole prefill's one long gap
     # stays out of the p95 the ITL SLO is stated in, and the prompt gets its first token
     # sooner. 0: spread whenever decodes run.
     short_prefill_stall_share: float = 0.04

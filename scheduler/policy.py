@@ -38,7 +38,7 @@ With an ITL target (`itl_target_s`), every step that carries a decode is planned
 `itl_plan.py`, a mixin of `Scheduler`.
 
 Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
-to ~650 lines: the whole per-iteration policy and the queries admission reads of it, read
+to ~680 lines: the whole per-iteration policy and the queries admission reads of it, read
 in one place; the arithmetic of the batch share, of adapter residency, of step costs and
 the ITL planning live in background.py, adapters.py, step_cost.py and itl_plan.py.)
 """
@@ -64,8 +64,10 @@ from .step_cost import StepCostModel, chunk_work
 # The share of the TTFT target a short prompt's chunks are planned to fit in
 # (`Scheduler._short_chunk`); the rest absorbs mispredicted step times.
 _TTFT_PLAN_SHARE = 0.6
-# Seconds of short-prompt arrivals `_short_chunk` counts to judge how often they come.
+# Seconds of short-prompt arrivals `_short_chunk` counts to judge how often they come,
+# and the weight of each step in the mean token gap it compares them with.
 _ARRIVAL_WINDOW_S = 10.0
+_GAP_ALPHA = 0.1
 
 
 @dataclass(slots=True)
@@ -139,6 +141,7 @@ class Scheduler(ItlPlanning):
         # When short prompts that a whole prefill would make a long step of arrived beside
         # running decodes (`_short_chunk`): their rate, over `_ARRIVAL_WINDOW_S`.
         self._short_arrivals: deque[float] = deque()
+        self._gap_s: float | None = None  # recent steps that carried decodes: mean seconds
         self.background = BackgroundShare(config, self.cost)  # batch jobs' share
 
     # -- the queue's side ----------------------------------------------------------------
@@ -300,7 +303,9 @@ class Scheduler(ItlPlanning):
 
         def limit(seq: Sequence, new: bool = False) -> int:
             rest = seq.num_tokens - seq.num_computed_tokens
-            if rest > short:
+            # A long prompt's tail stays at the pace: it is no question whose first token
+            # a whole prefill would bring sooner (256 tokens after 6,000 made a 0.5 s step).
+            if rest > short or seq.num_tokens - seq.num_cached_tokens > short:
                 n = min(budget, soft)
             elif split and not seq.batch:
                 n = min(budget, self._short_chunk(seq, rest, num_decode, pace, new))
@@ -425,7 +430,8 @@ class Scheduler(ItlPlanning):
         Whole when the target is off or the costs are not measured yet; whole again once
         the request has waited too long to spread it (each step re-plans the rest from
         the time then left); and whole while such prompts arrive rarely enough that one
-        long gap each stays within `short_prefill_stall_share` of the streams' gaps: a
+        long gap each stays within `short_prefill_stall_share` of the streams' gaps (their
+        rate times the gap the streams have lately seen, a long row's walk in it): a
         p95 of the gaps then never sees those stalls, and spreading would only put ~5
         gaps at the pace's length where one was (4 streams, a question every 0.5 s:
         ITL p95 25 ms whole against 49 spread; docs/benchmarks.md, "Whole while
@@ -435,12 +441,13 @@ class Scheduler(ItlPlanning):
         if target <= 0 or not decode or not per_token or rest <= pace:
             return rest
         now, arrivals = self.clock(), self._short_arrivals
-        if new:
+        if new:  # judged once, as it joins; a spread prompt stays spread
             arrivals.append(now)
-        while arrivals and arrivals[0] < now - _ARRIVAL_WINDOW_S:
-            arrivals.popleft()
-        if len(arrivals) / _ARRIVAL_WINDOW_S * decode <= self.config.short_prefill_stall_share:
-            return rest
+            while arrivals and arrivals[0] < now - _ARRIVAL_WINDOW_S:
+                arrivals.popleft()
+            gap = max(decode, self._gap_s or 0.0)
+            if len(arrivals) / _ARRIVAL_WINDOW_S * gap <= self.config.short_prefill_stall_share:
+                return rest
         # Planned to finish by a share of the target: the step in flight comes first, and
         # predicted step times err on a busy host.
         ahead = now - seq.arrived_at + decode + rest * per_token
@@ -568,6 +575,9 @@ class Scheduler(ItlPlanning):
         the cost model."""
         n = batch.num_decode
         self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
+        if n:  # the streams' token gap, as they have lately seen it
+            gap = self._gap_s
+            self._gap_s = seconds if gap is None else gap + _GAP_ALPHA * (seconds - gap)
 
     def _last_in_flight(self, seq: Sequence) -> bool:
         """The token in flight is the sequence's last: max_tokens or the context."""

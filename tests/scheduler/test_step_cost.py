@@ -96,6 +96,18 @@ def test_policy_caps_long_prompts_beside_decodes_and_spreads_short_ones_over_the
     assert _chunks_of(sim, short) == [15, 15]
 
 
+def test_a_long_prompts_tail_stays_at_the_pace():
+    """The last 40 tokens (short_prefill_tokens) of a 100-token prompt that has waited
+    long past its TTFT target: still chunks of the pace (12), never one long step."""
+    sim = _one_stream(short_prefill_stall_share=0.04)
+    long = sim.submit(range(100, 200), max_tokens=1)
+    sim.clock.advance(5.0)
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        sim.step()
+    chunks = _chunks_of(sim, long)
+    assert sum(chunks) == 100 and max(chunks) <= 12, chunks
+
+
 def test_a_short_prompt_goes_in_whole_when_its_ttft_has_no_room_left():
     sim = _one_stream()
     short = sim.submit(range(500, 530))
@@ -143,6 +155,27 @@ def test_short_prompts_go_in_whole_while_they_come_rarely():
     assert _chunks_of(sim, q) == [30]
     # A prompt no longer than one chunk at the pace is never a stall: not counted.
     assert len(sim.sched._short_arrivals) == 1
+
+
+def test_longer_gaps_make_each_stall_a_bigger_share():
+    """Steps the streams lately took at 60 ms (a long row's walk in each, say): half as
+    many gaps a second, so 7 questions within 10 s already pass 4% and the 8th is
+    spread."""
+    sim = _one_stream(short_prefill_stall_share=0.04)
+    sim.step()  # a decode step, observed at 60 ms (the step-cost model left as it was)
+    batch = sim.batches[-1]
+    assert batch.num_decode == 1
+    sim.sched.cost.observe = lambda *a, **k: None
+    for _ in range(40):
+        sim.sched.observe(batch, 0.060)
+    chunks = []
+    for i in range(8):
+        q = sim.submit(range(500 + 40 * i, 530 + 40 * i), max_tokens=1)
+        while q.num_computed_tokens < q.num_prompt_tokens:
+            sim.step()
+        chunks.append(_chunks_of(sim, q))
+    assert chunks[:6] == [[30]] * 6
+    assert chunks[7] == [15, 15]
 
 
 def test_the_spread_follows_the_time_left():
