@@ -69,25 +69,16 @@ struct Args {
   int64_t kvh, g, d, hs, ps, w, offset, pages;  // hs: elements a head's row takes (d + 4: int8)
 };
 
-// An int8 pool's keys are scaled as scored, its values by weighting them (p_i s_i v_i),
-// the softmax's sum left unscaled; f32 and bf16 rows have nothing to scale.
+// x[j][i] *= the scale of row i (rows: n keys or values), for each of the g heads: an
+// int8 pool's keys are scaled as scored, its values by weighting them (p_i s_i v_i), the
+// softmax's sum left unscaled. f32 and bf16 rows have nothing to scale.
 template <typename T>
-inline void scale_scores(float (*s)[kChunk], const T* const* kp, int64_t n, int64_t g,
-                         int64_t d) {
-  if constexpr (std::is_same_v<T, int8_t>) {
-    for (int i = 0; i < n; ++i) {
-      const float k = sluice::row_scale(kp[i], d);
-      for (int64_t j = 0; j < g; ++j) s[j][i] *= k;
-    }
-  }
-}
-template <typename T>
-inline void scale_weights(float (*p)[kChunk], const T* const* vp, int64_t n, int64_t g,
+inline void scale_by_rows(float (*x)[kChunk], const T* const* rows, int64_t n, int64_t g,
                           int64_t d) {
   if constexpr (std::is_same_v<T, int8_t>) {
     for (int i = 0; i < n; ++i) {
-      const float v = sluice::row_scale(vp[i], d);
-      for (int64_t j = 0; j < g; ++j) p[j][i] *= v;
+      const float scale = sluice::row_scale(rows[i], d);
+      for (int64_t j = 0; j < g; ++j) x[j][i] *= scale;
     }
   }
 }
@@ -113,7 +104,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     }
     for (int64_t j = 0; j < g; ++j) s[j][i] = _mm512_reduce_add_ps(dot[j]);
   }
-  scale_scores<T>(s, kp, n, g, d);
+  scale_by_rows<T>(s, kp, n, g, d);
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
   alignas(64) float p[kMaxG][kChunk];
   float corr[kMaxG];
@@ -127,7 +118,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(pv);
     m[j] = m_new;
   }
-  scale_weights<T>(p, vp, n, g, d);
+  scale_by_rows<T>(p, vp, n, g, d);
   for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i
     __m512 av[kMaxG];
     for (int64_t j = 0; j < g; ++j)
@@ -172,7 +163,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     }
     for (int64_t j = 0; j < g; ++j) s[j][i] = sluice::sum8(dot[j]);
   }
-  scale_scores<T>(s, kp, n, g, d);
+  scale_by_rows<T>(s, kp, n, g, d);
   alignas(64) float p[kMaxG][kChunk];
   float corr[kMaxG];
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -192,7 +183,7 @@ inline void head_chunk(const float* q, const T* const* kp, const T* const* vp, i
     l[j] = l[j] * corr[j] + sluice::sum8(sum);
     m[j] = m_new;
   }
-  scale_weights<T>(p, vp, n, g, d);
+  scale_by_rows<T>(p, vp, n, g, d);
   for (int64_t c = 0; c < d; c += 16) {  // acc = acc * corr + sum_i p_i v_i, 16 channels
     // at a time: two sums a head in flight
     __m256 av[kMaxG], aw[kMaxG];

@@ -135,26 +135,31 @@ def test_a_short_prompt_alone_goes_in_whole():
     assert _chunks_of(sim, short) == [30]
 
 
+def _questions(sim, n: int, every: float = 0.0) -> list[list[int]]:
+    """n 30-token questions of one answer token, one after the other, `every` seconds
+    apart: each one's prompt chunks."""
+    chunks = []
+    for _ in range(n):
+        base = 500 + 40 * len(sim.batches)
+        q = sim.submit(range(base, base + 30), max_tokens=1)
+        while q.num_computed_tokens < q.num_prompt_tokens:
+            sim.step()
+        chunks.append(_chunks_of(sim, q))
+        sim.clock.advance(every)
+    return chunks
+
+
 def test_short_prompts_go_in_whole_while_they_come_rarely():
     # Each whole prefill makes one long gap for the stream; at 30 ms a decode step, 4% of
     # its gaps over 10 s is 13.3 such prompts: the 14th within 10 s is spread.
     sim = _one_stream(short_prefill_stall_share=0.04)
-    chunks = []
-    for i in range(14):
-        q = sim.submit(range(500 + 40 * i, 530 + 40 * i), max_tokens=1)
-        while q.num_computed_tokens < q.num_prompt_tokens:
-            sim.step()
-        chunks.append(_chunks_of(sim, q))
-        sim.clock.advance(0.3)  # 14 questions in ~5 s
+    chunks = _questions(sim, 14, every=0.3)  # 14 questions in ~5 s
     assert chunks[:13] == [[30]] * 13
     assert chunks[13] == [15, 15]
     # 10 s later the rate has fallen out of the window: whole again.
     sim.clock.advance(10.0)
-    q = sim.submit(range(2000, 2030), max_tokens=1)
-    sim.step()
-    assert _chunks_of(sim, q) == [30]
-    # A prompt no longer than one chunk at the pace is never a stall: not counted.
-    assert len(sim.sched._short_arrivals) == 1
+    assert _questions(sim, 1) == [[30]]
+    assert len(sim.sched._short_arrivals) == 1  # the 14 earlier ones have left it
 
 
 def test_longer_gaps_make_each_stall_a_bigger_share():
@@ -168,12 +173,7 @@ def test_longer_gaps_make_each_stall_a_bigger_share():
     sim.sched.cost.observe = lambda *a, **k: None
     for _ in range(40):
         sim.sched.observe(batch, 0.060)
-    chunks = []
-    for i in range(8):
-        q = sim.submit(range(500 + 40 * i, 530 + 40 * i), max_tokens=1)
-        while q.num_computed_tokens < q.num_prompt_tokens:
-            sim.step()
-        chunks.append(_chunks_of(sim, q))
+    chunks = _questions(sim, 8)
     assert chunks[:6] == [[30]] * 6
     assert chunks[7] == [15, 15]
 
