@@ -29,7 +29,7 @@
 // for 30 layers walked per (row, head) with the group size read at run time, 6.2 ms now
 // (2 cores, AVX2; docs/benchmarks.md).
 //
-// (About 400 lines: the walk's AVX-512, AVX2 and portable forms of one chunk, the span
+// (About 420 lines: the walk's AVX-512, AVX2 and portable forms of one chunk, the span
 // walk, and the entry point that splits and merges spans; they change together.)
 
 #include <immintrin.h>

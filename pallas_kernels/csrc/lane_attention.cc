@@ -40,7 +40,7 @@
 //           sluice_decode_attention to continue over the row's own pages.
 // D must be a multiple of 16 and at most 256.
 //
-// (About 870 lines: one walk, its AMX, AVX-512, AVX2 and portable forms, the splitting and
+// (About 900 lines: one walk, its AMX, AVX-512, AVX2 and portable forms, the splitting and
 // merging of long walks, and the two entry points that build its tasks; they change
 // together.)
 
