@@ -13,7 +13,7 @@
    budget: ``min(max_step_tokens - decodes, limits.max_prefill_tokens)``, at most
    `limits.max_prefill_chunk` tokens a chunk and `limits.max_prefill_seqs` chunks a step.
    A 6,000-token prompt is thus spread over many steps, each also carrying every decode.
-   A short prompt (at most `short_prefill_tokens` left) goes in whole, or beside decodes
+   A short prompt (at most `short_prefill_tokens` uncached) goes in whole, or beside decodes
    in as many such chunks as its TTFT target leaves room for, once such prompts come
    often enough that whole ones would stall too many of the streams' gaps (`_short_chunk`).
 3. Admission (continuous mode): the next waiting sequence by class, fair share and tenant
