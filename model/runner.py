@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
-from pallas_kernels.backends import INT8_SCALE_BYTES
+from pallas_kernels.backends import row_elements
 from scheduler.protocol import SeqChunk, StepLimits, StepPlan, StepResult
 
 from . import sampling
@@ -178,7 +178,7 @@ class ModelRunner:
         self.quantization = quantization
         self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n,
                                                         attention_options or {})
-        row = cfg.head_dim + (INT8_SCALE_BYTES if self.kv_storage == jnp.int8 else 0)
+        row = row_elements(cfg.head_dim, self.kv_storage)
         self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * row
                                    * np.dtype(self.kv_storage).itemsize)
         if num_pages is None:

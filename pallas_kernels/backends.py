@@ -33,6 +33,12 @@ import numpy as np
 INT8_SCALE_BYTES = 4
 
 
+def row_elements(head_dim: int, dtype) -> int:
+    """Elements a token's row of one KV head takes in a pool of `dtype`: head_dim, and an
+    int8 pool's scale."""
+    return head_dim + (INT8_SCALE_BYTES if np.dtype(dtype) == np.int8 else 0)
+
+
 def to_pool(x, dtype):
     """Keys or values [..., head_dim] as a pool of `dtype` stores them: cast; for a uint16
     pool, the bit patterns of their bf16 values (the CPU's bf16 pool; the native kernels
@@ -77,8 +83,8 @@ class PoolLayout:
 
     @property
     def row(self) -> int:
-        """Elements a token's row of one KV head takes: head_dim, and an int8 pool's scale."""
-        return self.head_dim + (INT8_SCALE_BYTES if np.dtype(self.dtype) == np.int8 else 0)
+        """Elements a token's row of one KV head takes (`row_elements`)."""
+        return row_elements(self.head_dim, self.dtype)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

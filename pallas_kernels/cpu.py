@@ -60,14 +60,14 @@ class CpuBackend(AttentionBackend):
         # where they build fast (or the pool is bf16 bits, which only they read) and the
         # pool is f32 or bf16 bits (otherwise the jnp cascade).
         # bf16 bit patterns and int8 rows with their scale: the native kernels only
-        bits = np.dtype(pool.dtype) in (np.uint16, np.int8)
+        native_only = np.dtype(pool.dtype) in (np.uint16, np.int8)
         if native is None:
             from .native import available, fast
 
-            native = (available() if bits else fast())[0]
+            native = (available() if native_only else fast())[0]
         self.native = bool(native) and np.dtype(pool.dtype) in (np.float32, np.uint16, np.int8) \
             and pool.head_dim % 16 == 0 and pool.head_dim <= 256
-        if bits and not self.native:
+        if native_only and not self.native:
             raise ValueError(f"a KV pool of {'int8' if pool.dtype == np.int8 else 'bf16 bit'} "
                              "rows is read by the native kernels only (they are unavailable, "
                              "or the head dimension is not a multiple of 16 up to 256)")

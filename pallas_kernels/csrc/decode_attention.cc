@@ -328,7 +328,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.pages = kd[0];
   a.ps = kd[1];
   a.w = td[1];
-  a.hs = a.d + (et == ffi::DataType::S8 ? 4 : 0);
+  a.hs = a.d + (et == ffi::DataType::S8 ? sluice::kScaleBytes : 0);
   if (kd[2] != a.kvh || kd[3] != a.hs || td[0] != rows || a.g > kMaxG || a.d > kMaxD ||
       a.d % 16)
     return ffi::Error::InvalidArgument("sluice_decode_attention: shapes do not agree");

@@ -762,7 +762,7 @@ Pool pool_of(ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& offset
   const Kind kind = et == ffi::DataType::U16 ? Kind::bf16
                     : et == ffi::DataType::S8 ? Kind::int8 : Kind::f32;
   return Pool{k.untyped_data(), v.untyped_data(), kvh, d, ok ? kd[1] : 0, ok ? kd[0] : 0,
-              offset.typed_data()[0], d + (kind == Kind::int8 ? 4 : 0), kind};
+              offset.typed_data()[0], d + (kind == Kind::int8 ? sluice::kScaleBytes : 0), kind};
 }
 
 ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,

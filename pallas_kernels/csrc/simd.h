@@ -20,7 +20,9 @@ inline float widen1(const uint16_t* p) {
 }
 inline float widen1(const int8_t* p) { return static_cast<float>(*p); }
 
-// The scale of a KV pool row of d values (1 but for int8 rows, whose scale follows them).
+// The scale of a KV pool row of d values (1 but for int8 rows, whose f32 scale follows
+// them: kScaleBytes more a row).
+constexpr int64_t kScaleBytes = 4;
 template <typename T>
 inline float row_scale(const T*, int64_t) { return 1.f; }
 inline float row_scale(const int8_t* row, int64_t d) {
