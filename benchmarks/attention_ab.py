@@ -2,7 +2,9 @@
 embedded model's runner (default preset's int8 weights): steps of d decode rows sharing a
 2,000-token system prompt (200 tokens of their own each), with or without a p-token
 question chunk after the same prompt, a 256-token chunk of a 6,000-token prompt of its
-own ("long"), and that prompt's row decoding beside them ("longdec"), once per variant (each runner its own, steps alternating between them).
+own ("long"), that prompt's row decoding beside them ("longdec"), and the d decode rows
+over four copies of the system prompt, d/4 rows each ("4p": four adapters' prefixes),
+once per variant (each runner its own, steps alternating between them).
 A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
 never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` (or "int8")
@@ -32,7 +34,7 @@ from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 PS, SYSTEM, OWN = 16, 2000 // 16 * 16, 200
 LONG, LONG_CHUNK = 6000 // 16 * 16, 256
 CASES = [(1, 0), (2, 0), (4, 0), (8, 0), (12, 0), (16, 0), (0, 16), (4, 16), (16, 16),
-         (0, 64), (4, "long"), (4, "longdec")]
+         (0, 64), (4, "long"), (4, "longdec"), (16, "4p")]
 
 
 def plan(decodes: int, chunk) -> StepPlan:
@@ -46,14 +48,17 @@ def plan(decodes: int, chunk) -> StepPlan:
         chunk = SeqChunk(seq_id=98, token_ids=[9] * n, start_pos=LONG - n,
                          page_table=pages, sample=True, sampling=greedy)
         return StepPlan([*plan.chunks, chunk])
-    shared = list(range(1, SYSTEM // PS + 1))
-    nxt, chunks = SYSTEM // PS + 1, []
+    copies = 4 if chunk == "4p" else 1  # the system prompt in this many copies
+    prefixes = [list(range(1 + c * (SYSTEM // PS), 1 + (c + 1) * (SYSTEM // PS)))
+                for c in range(copies)]
+    nxt, chunks = copies * (SYSTEM // PS) + 1, []
     for i in range(decodes):
+        shared = prefixes[i * copies // max(decodes, 1)]
         own = list(range(nxt, nxt + OWN // PS + 1))
         nxt += len(own)
         chunks.append(SeqChunk(seq_id=i, token_ids=[5], start_pos=SYSTEM + OWN - 1,
                                page_table=shared + own, sample=True, sampling=greedy))
-    if chunk:
+    if chunk and chunk != "4p":
         own = list(range(nxt, nxt + chunk // PS + 1))
         chunks.append(SeqChunk(seq_id=99, token_ids=[7] * chunk, start_pos=SYSTEM,
                                page_table=shared + own, sample=True, sampling=greedy))

@@ -54,7 +54,8 @@ class CpuBackend(AttentionBackend):
                  group_prefill_blocks: bool = True, prefix_copy_tokens: int = 2048,
                  max_prefixes: int = 4, segment_rows: int = 4,
                  prefix_copies: int = 4, native: bool | None = None,
-                 min_prefix_rows: int | None = None) -> None:
+                 min_prefix_rows: int | None = None,
+                 min_prefix_rows_several: int | None = None) -> None:
         super().__init__(pool)
         # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
         # where they build fast (or the pool is bf16 bits, which only they read) and the
@@ -75,12 +76,23 @@ class CpuBackend(AttentionBackend):
         # fewer walk it themselves. None: from 2 rows, but from 6 where the lane walk has
         # vectors of 8 (AVX2): there the rows' own walks (split in spans over the threads)
         # cost less up to 4 rows, about as much at 5-6, more from 8 (docs/benchmarks.md,
-        # twenty-fifth session).
+        # twenty-fifth session). Where two or more prefixes have `min_prefix_rows_several`
+        # rows (several adapters' copies of one system prompt; None: 4 there, else
+        # `min_prefix_rows`), each is read once from that many: rows walking their
+        # prefixes re-read four prefixes' bytes from memory (thirty-first session: 16
+        # decodes over four copies, 4 rows each, 77.2 -> 75.0 ms with an int8 pool,
+        # 85.5 -> 82.4 with bf16).
         if min_prefix_rows is None:
             from .native import lane_width
 
-            min_prefix_rows = 6 if self.native and lane_width() == 8 else 2
+            eight = self.native and lane_width() == 8
+            min_prefix_rows = 6 if eight else 2
+            if min_prefix_rows_several is None and eight:
+                min_prefix_rows_several = 4
+        if min_prefix_rows_several is None:
+            min_prefix_rows_several = min_prefix_rows
         self.min_prefix_rows = max(2, min_prefix_rows)
+        self.min_prefix_rows_several = max(2, min(min_prefix_rows_several, self.min_prefix_rows))
         align = math.lcm(pages_per_block, shared_pages_per_block)
         self.width = -(-pool.pages_per_seq // align) * align
         self.pages_per_block = pages_per_block
@@ -106,6 +118,7 @@ class CpuBackend(AttentionBackend):
                 "prefix_copy_tokens": self.copy.tokens if self.copy else 0,
                 "prefix_copies": self.copy.slots if self.copy else 0,
                 "max_prefixes": self.max_prefixes,
+                "min_prefix_rows": [self.min_prefix_rows, self.min_prefix_rows_several],
                 "native": self.native}
 
     # -- host side --------------------------------------------------------------------------
@@ -131,7 +144,9 @@ class CpuBackend(AttentionBackend):
             found = []
         else:
             found = prefix_groups(tables, ctx, ql, ps, self.width,
-                                  min_rows=self.min_prefix_rows if decode else 1)[:n_prefixes]
+                                  min_rows=self.min_prefix_rows if decode else 1,
+                                  min_rows_several=self.min_prefix_rows_several
+                                  if decode else 1)[:n_prefixes]
         prefix = np.full(rows, -1, np.int32)
         shared = np.zeros((n_prefixes, self.width), np.int32)
         shared_len = np.zeros(n_prefixes, np.int32)
@@ -325,18 +340,23 @@ class PrefixCopy:
 
 
 def prefix_groups(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
-                  page_size: int, width: int,
-                  min_rows: int = 2) -> list[tuple[np.ndarray, np.ndarray, int]]:
+                  page_size: int, width: int, min_rows: int = 2,
+                  min_rows_several: int | None = None
+                  ) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """The rows that share a table prefix, by their first page (among real rows with a
-    whole page before their first query; `min_rows` rows at least): (rows, the prefix's
-    pages [width], its tokens) per prefix, the one that saves most reading first. A
-    system prompt under several adapters is several prefixes (the keys differ); rows of
-    a prefix of their own walk it themselves (with `min_rows` 1: read it as a prefix)."""
+    whole page before their first query; `min_rows` rows at least, or `min_rows_several`
+    where two or more prefixes have that many): (rows, the prefix's pages [width], its
+    tokens) per prefix, the one that saves most reading first. A system prompt under
+    several adapters is several prefixes (the keys differ); rows of a prefix of their own
+    walk it themselves (with `min_rows` 1: read it as a prefix)."""
     real = query_lens > 0
     whole = real & (context_lens - query_lens >= page_size)
-    if whole.sum() < min_rows:
+    several = min(min_rows, min_rows if min_rows_several is None else min_rows_several)
+    if whole.sum() < several:
         return []
     firsts, counts = np.unique(tables[whole, 0], return_counts=True)
+    if (counts >= several).sum() >= 2:
+        min_rows = several
     found = []
     for first in firsts[counts >= min_rows]:
         members = np.flatnonzero(whole & (tables[:, 0] == first))

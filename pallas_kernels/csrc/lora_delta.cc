@@ -57,6 +57,10 @@ constexpr int kTok = 4;   // tokens of one slot multiplied together
 constexpr int kRows = 4;  // A rows a pass (kTok x kRows accumulators)
 constexpr int kCols = 16; // B columns a block, and the rank rows held in registers
 constexpr int64_t kParallelTokens = 32;  // fewer tokens under adapters: one thread
+// The AVX2 form of phase 1 asks for the A rows this many on as it reads a pair (on Zen 3,
+// 30 layers of 16 tokens over 4 slots: 6.8 -> 5.8 ms; 2 rows on: 7.3, 16: 6.3;
+// docs/benchmarks.md, thirty-first session).
+constexpr int64_t kAheadRows = 8;
 
 // Phase 1 for up to kTok tokens of one slot: hq[q][j * Rp + r] = A[j, r, :] . x_q for the
 // slot's rows of one layer (row (j, r) at a + j * stride_j + r * k). `xs[q]`: token q's
@@ -67,7 +71,7 @@ constexpr int64_t kParallelTokens = 32;  // fewer tokens under adapters: one thr
 // loads, a cache line per row every 64 bytes it reads (4 rows at a time gave 2-3 GB/s).
 template <typename W>
 void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, int64_t k,
-            const float* const* xs, int nt, float* const* hq) {
+            const float* const* xs, int nt, float* const* hq, const W* next_a) {
   constexpr int64_t kLine = 64 / sizeof(W);  // elements a cache line
   for (int64_t j = 0; j < j_n; ++j) {
     const W* aj = a + j * stride_j;
@@ -109,7 +113,21 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
         __m256 acc[2][kTok];
         for (int i = 0; i < 2; ++i)
           for (int q = 0; q < kTok; ++q) acc[i][q] = _mm256_setzero_ps();
+        // The rows kAheadRows on (this target's, else the next target's first, else the
+        // next work item's first: `next_a`), a line of each every 64 bytes read, as the
+        // AVX-512 form asks for the next pass's.
+        const W* ahead[2];
+        int n_ahead = 0;
+        for (int i = 0; i < 2; ++i) {
+          const int64_t rr = r0 + i0 + i + kAheadRows;
+          if (rr < r_n) ahead[n_ahead++] = aj + rr * k;
+          else if (j + 1 < j_n && rr - r_n < r_n) ahead[n_ahead++] = aj + stride_j + (rr - r_n) * k;
+          else if (j + 1 == j_n && next_a && rr - r_n < r_n) ahead[n_ahead++] = next_a + (rr - r_n) * k;
+        }
         for (int64_t c = 0; c < k8; c += 8) {
+          if (c % kLine == 0)
+            for (int i = 0; i < n_ahead; ++i)
+              _mm_prefetch(reinterpret_cast<const char*>(ahead[i] + c), _MM_HINT_T0);
           __m256 xv[kTok];
           for (int q = 0; q < kTok; ++q) xv[q] = _mm256_loadu_ps(xs[q] + c);
           for (int i = 0; i < 2; ++i) {
@@ -383,7 +401,8 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
   const int64_t nb = b_blocks(bounds, j_n);
   const W* bl = b + l * s_n * nb * r_n * kCols;
   // h = A[slot] @ x, kTok tokens of one slot a work item.
-  pf(static_cast<int64_t>(groups.size()), [&](int64_t g) {
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  pf(n_groups, [&](int64_t g) {
     const int64_t m0 = gp[g], s = slots[op[m0]];
     const int nt = static_cast<int>(std::min<int64_t>(kTok, sp[s + 1] - m0));
     const float* xs[kTok];
@@ -393,7 +412,9 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
       xs[q] = xt + ti * k;
       hq[q] = h + ti * h_stride;
     }
-    a_rows(al + s * r_n * k, j_n, s_n * r_n * k, r_n, rp, k, xs, nt, hq);
+    // the next item's slot (on the calling thread, the one read next)
+    const W* next_a = g + 1 < n_groups ? al + slots[op[gp[g + 1]]] * r_n * k : nullptr;
+    a_rows(al + s * r_n * k, j_n, s_n * r_n * k, r_n, rp, k, xs, nt, hq, next_a);
   });
   // out += B[slot] @ h, a block of kCols columns of one target a work item.
   struct Item { int64_t j, o0, blk; };

@@ -235,6 +235,31 @@ def test_few_decode_rows_walk_their_prefix_and_native_prefill_blocks_share_nothi
         np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
 
 
+def test_several_prefixes_are_read_once_from_fewer_rows():
+    """Two prefixes of 3 decode rows each are read as prefixes from
+    `min_prefix_rows_several` 3 although `min_prefix_rows` is 4; one alone is walked by its
+    rows; the attention is the same either way."""
+    pool = PoolLayout(1, 32, 4, 1, 16, np.float32, 4)
+    a, b = [5, 6], [9, 10]
+    tables = np.array([a + [11 + i, 0] for i in range(3)] + [b + [14 + i, 0] for i in range(3)],
+                      np.int32)
+    ctx, ql = np.full(6, 10, np.int32), np.ones(6, np.int32)
+    backend = make_backend("cpu", pool, min_prefix_rows=4, min_prefix_rows_several=3)
+    meta = backend.metadata(GroupLayout(tables, ctx, ql))
+    assert sorted(meta.shared_len.tolist()) == [0, 0, 8, 8]
+    lone = backend.metadata(GroupLayout(tables[:4], ctx[:4], ql[:4]))
+    assert lone.shared_len.tolist() == [0, 0, 0, 0]
+    assert make_backend("cpu", pool, min_prefix_rows=4).metadata(
+        GroupLayout(tables, ctx, ql)).shared_len.tolist() == [0, 0, 0, 0]
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((6, 1, 1, 16)).astype(np.float32)
+    k, v = (rng.standard_normal(pool.shape).astype(np.float32) for _ in range(2))
+    ref = np.asarray(paged_attention_dense(q, k, v, tables, ctx, ql))
+    out = np.asarray(backend.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                    jnp.int32(0), meta, backend.state))
+    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
+
+
 def test_prefix_copy_slots_serve_several_prefixes_without_taking_turns():
     """Two copy slots, three prefixes in every step: two are copied once and stay, the
     third reads its pages; a prefix whose pages are written is cut back and refilled."""
