@@ -3,7 +3,8 @@ embedded model's runner (default preset's int8 weights): steps of d decode rows 
 2,000-token system prompt (200 tokens of their own each), with or without a p-token
 question chunk after the same prompt, a 256-token chunk of a 6,000-token prompt of its
 own ("long"), that prompt's row decoding beside them ("longdec"), and the d decode rows
-over four copies of the system prompt, d/4 rows each ("4p": four adapters' prefixes),
+over four copies of the system prompt, d/4 rows each ("4p": four adapters' prefixes) or
+6, 5, 3 and 2 of 16 ("4q": as a random pick of adapters spreads them),
 once per variant (each runner its own, steps alternating between them).
 A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
@@ -34,7 +35,7 @@ from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 PS, SYSTEM, OWN = 16, 2000 // 16 * 16, 200
 LONG, LONG_CHUNK = 6000 // 16 * 16, 256
 CASES = [(1, 0), (2, 0), (4, 0), (8, 0), (12, 0), (16, 0), (0, 16), (4, 16), (16, 16),
-         (0, 64), (4, "long"), (4, "longdec"), (16, "4p")]
+         (0, 64), (4, "long"), (4, "longdec"), (16, "4p"), (16, "4q")]
 
 
 def plan(decodes: int, chunk) -> StepPlan:
@@ -48,17 +49,18 @@ def plan(decodes: int, chunk) -> StepPlan:
         chunk = SeqChunk(seq_id=98, token_ids=[9] * n, start_pos=LONG - n,
                          page_table=pages, sample=True, sampling=greedy)
         return StepPlan([*plan.chunks, chunk])
-    copies = 4 if chunk == "4p" else 1  # the system prompt in this many copies
+    copies = 4 if chunk in ("4p", "4q") else 1  # the system prompt in this many copies
+    uneven = [0] * 6 + [1] * 5 + [2] * 3 + [3] * 2
     prefixes = [list(range(1 + c * (SYSTEM // PS), 1 + (c + 1) * (SYSTEM // PS)))
                 for c in range(copies)]
     nxt, chunks = copies * (SYSTEM // PS) + 1, []
     for i in range(decodes):
-        shared = prefixes[i * copies // max(decodes, 1)]
+        shared = prefixes[uneven[i] if chunk == "4q" else i * copies // max(decodes, 1)]
         own = list(range(nxt, nxt + OWN // PS + 1))
         nxt += len(own)
         chunks.append(SeqChunk(seq_id=i, token_ids=[5], start_pos=SYSTEM + OWN - 1,
                                page_table=shared + own, sample=True, sampling=greedy))
-    if chunk and chunk != "4p":
+    if chunk and chunk not in ("4p", "4q"):
         own = list(range(nxt, nxt + chunk // PS + 1))
         chunks.append(SeqChunk(seq_id=99, token_ids=[7] * chunk, start_pos=SYSTEM,
                                page_table=shared + own, sample=True, sampling=greedy))
