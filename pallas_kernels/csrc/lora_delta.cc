@@ -31,7 +31,7 @@
 // rows added back in 8 x 8 transposes). Prompt chunks are split over XLA's intra-op thread pool: groups of 4
 // tokens for A, blocks of 16 columns for B.
 //
-// (About 470 lines: both phases in their AVX-512, AVX2 and portable forms, the transpositions,
+// (About 490 lines: both phases in their AVX-512, AVX2 and portable forms, the transpositions,
 // the prefetching and the entry point read one packing and change together.)
 
 #include <immintrin.h>
@@ -163,16 +163,9 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
 template <typename W>
 void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t j,
              const float* h, int64_t h_stride, const int32_t* slots, int64_t s_n,
-             int64_t c0, int nt, int64_t o0, int64_t w, float* out, bool fm, int64_t t,
-             int64_t n) {
-  int toks[16], cnt = 0;  // the chunk's tokens under an adapter, sorted by slot
-  for (int q = 0; q < nt; ++q) {
-    const int32_t s = slots[c0 + q];
-    if (s < 0 || s >= s_n) continue;
-    int i = cnt++;
-    for (; i > 0 && slots[c0 + toks[i - 1]] > s; --i) toks[i] = toks[i - 1];
-    toks[i] = q;
-  }
+             int64_t c0, int nt, const int* toks, int cnt, int64_t o0, int64_t w,
+             float* out, bool fm, int64_t t, int64_t n) {
+  // toks: the chunk's cnt tokens under an adapter (offsets from c0), sorted by slot
   if (cnt == 0) return;
 #ifdef SLUICE_LORA_AVX512
   const __mmask16 wm = w >= 16 ? 0xFFFF : (__mmask16)((1u << w) - 1);
@@ -423,6 +416,18 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
   for (int64_t j = 0, blk = 0; j < j_n; ++j)
     for (int64_t o = bounds[j]; o < bounds[j + 1]; o += kCols) items.push_back({j, o, blk++});
   const Item* ip = items.data();
+  // Each chunk of 16 tokens' tokens under an adapter, sorted by slot (`order` is, and
+  // keeps token order within a slot), for every block's b_chunk.
+  const int64_t n_chunks = (t + 15) / 16;
+  thread_local std::vector<int> ctoks, ccnt;
+  ctoks.assign(n_chunks * 16, 0);
+  ccnt.assign(n_chunks, 0);
+  for (int64_t m = 0; m < m_n; ++m) {
+    const int64_t ti = op[m], c = ti / 16;
+    ctoks[c * 16 + ccnt[c]++] = static_cast<int>(ti - c * 16);
+  }
+  const int* ctp = ctoks.data();
+  const int* ccp = ccnt.data();
   const int64_t blk_n = r_n * kCols, blk_bytes = blk_n * int64_t(sizeof(W));
   pf(static_cast<int64_t>(items.size()), [&](int64_t p) {
     const int64_t j = ip[p].j, o0 = ip[p].o0;
@@ -435,8 +440,8 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
                          off, _MM_HINT_T0);
     for (int64_t c0 = 0; c0 < t; c0 += 16)
       b_chunk(bl + ip[p].blk * blk_n, nb * blk_n, r_n, rp, j, h, h_stride,
-              slots, s_n, c0, static_cast<int>(std::min<int64_t>(16, t - c0)), o0, w, out,
-              fm, t, n);
+              slots, s_n, c0, static_cast<int>(std::min<int64_t>(16, t - c0)),
+              ctp + c0, ccp[c0 / 16], o0, w, out, fm, t, n);
   });
 }
 
