@@ -351,7 +351,7 @@ def prefix_groups(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.n
     walk it themselves (with `min_rows` 1: read it as a prefix)."""
     real = query_lens > 0
     whole = real & (context_lens - query_lens >= page_size)
-    several = min(min_rows, min_rows if min_rows_several is None else min_rows_several)
+    several = min_rows if min_rows_several is None else min(min_rows, min_rows_several)
     if whole.sum() < several:
         return []
     firsts, counts = np.unique(tables[whole, 0], return_counts=True)

@@ -162,7 +162,7 @@ void a_rows(const W* a, int64_t j_n, int64_t stride_j, int64_t r_n, int64_t rp, 
 // to the output rows with one vector each (feature-major).
 template <typename W>
 void b_chunk(const W* blk, int64_t slot_stride, int64_t r_n, int64_t rp, int64_t j,
-             const float* h, int64_t h_stride, const int32_t* slots, int64_t s_n,
+             const float* h, int64_t h_stride, const int32_t* slots,
              int64_t c0, int nt, const int* toks, int cnt, int64_t o0, int64_t w,
              float* out, bool fm, int64_t t, int64_t n) {
   // toks: the chunk's cnt tokens under an adapter (offsets from c0), sorted by slot
@@ -440,7 +440,7 @@ void delta(ffi::ThreadPool& pool, const float* x, const W* a, const W* b,
                          off, _MM_HINT_T0);
     for (int64_t c0 = 0; c0 < t; c0 += 16)
       b_chunk(bl + ip[p].blk * blk_n, nb * blk_n, r_n, rp, j, h, h_stride,
-              slots, s_n, c0, static_cast<int>(std::min<int64_t>(16, t - c0)),
+              slots, c0, static_cast<int>(std::min<int64_t>(16, t - c0)),
               ctp + c0, ccp[c0 / 16], o0, w, out, fm, t, n);
   });
 }
