@@ -64,11 +64,12 @@ class Int8Matrix:
 
 
 def native_layout() -> int:
-    """The block order the native kernel that runs here reads fastest: 1 ([32 k][16
-    columns]) for its AVX2 path, else 0 ([16 columns][32 k])."""
+    """The block order the native kernel built here packs and reads (the build says so,
+    csrc/q8_linear.cc `sluice_q8_layout`): 1 ([32 k][16 columns]) for its AVX2 path, else
+    0 ([16 columns][32 k]); 0 where no native build loads."""
     from pallas_kernels import native
 
-    return 1 if native.available() == (True, "avx2") else 0
+    return native.load().sluice_q8_layout() if native.available()[0] else 0
 
 
 def quantize_int8(w: np.ndarray, layout: int | None = None) -> Int8Matrix:

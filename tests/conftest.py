@@ -7,6 +7,13 @@ import os
 import pytest
 
 
+def pytest_report_header(config):
+    """Which native kernel targets this CPU runs (the others' tests skip, saying why)."""
+    from tests import native_targets
+
+    return native_targets.header()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def batch_store_dir(tmp_path_factory):
     """Servers in tests (and the ones they spawn) keep their batch store here, never in

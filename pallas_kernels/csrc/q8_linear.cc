@@ -706,6 +706,26 @@ extern "C" int sluice_q8_avx2() {
 #endif
 }
 
+// The block order this build's weights are packed in (model/quant.py asks): 1, [32 k][16
+// columns], for the AVX2 path, which reads it fastest; else 0, [16 columns][32 k].
+extern "C" int sluice_q8_layout() {
+#ifdef SLUICE_Q8_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 when this build reads weights packed in block order `layout`: the AVX-512 and AMX
+// paths read layout 0 only, the AVX2 and portable ones both.
+extern "C" int sluice_q8_reads_layout(int layout) {
+#if defined(SLUICE_Q8_AVX512) || defined(SLUICE_AMX)
+  return layout == 0;
+#else
+  return layout == 0 || layout == 1;
+#endif
+}
+
 // 1 when built with the AMX path and the OS grants the tile state, else 0.
 extern "C" int sluice_q8_amx() {
 #ifdef SLUICE_AMX

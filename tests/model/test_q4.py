@@ -2,12 +2,10 @@
 `BlockMatrix`, csrc/q4_linear.cc): a GGUF's blocks reach the kernel unchanged; the
 kernel against its definition in numpy (integer block sums, then the f32 steps in
 order) in both formats; a row's result independent of its batch and of the zero rows
-beside it; the portable build bit for bit the same as the vector one; the runner
+beside it; every native target bit for bit the same as the default build; the runner
 (`quantization = "q4_1"`) on a tiny random model against the f32 runner."""
 
 from __future__ import annotations
-
-import ctypes
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from model.quant import (PROJECTIONS, Q4_1, Q8_0, BlockMatrix, blocks, dequantiz
                          quantize_q4, quantize_q8_0)
 from model.runner import ModelRunner
 from pallas_kernels import native
+from tests import native_targets as targets
 from tests.model.test_quant import _step_logits
 from tests.model.test_runner import TINY, random_params
 
@@ -160,22 +159,20 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_on_zero_rows(fmt):
     assert (_call(np.zeros_like(x), m, 0, False) == 0).all()
 
 
-def test_the_portable_build_is_the_vector_build_bit_for_bit():
-    """Both run the same f32 steps on the same exact integer sums (csrc/q4_linear.cc)."""
-    lib = ctypes.cdll.LoadLibrary(str(native.build(
-        ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-march=x86-64"))))
-    assert lib.sluice_q4_avx2() == 0
-    jax.ffi.register_ffi_target("sluice_q4_linear_portable",
-                                jax.ffi.pycapsule(lib.SluiceQ4Linear), platform="cpu")
+@pytest.mark.parametrize("target", targets.TARGETS)
+def test_each_target_is_the_default_build_bit_for_bit(target):
+    """The portable loop and the AVX2 path run the same f32 steps on the same exact
+    integer sums (csrc/q4_linear.cc); the AVX-512 targets take the AVX2 path."""
+    b = targets.build(target)
+    assert b.lib.sluice_q4_avx2() == (target != "portable")
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((2, 22, 64)) * 0.1).astype(np.float32)
     x = rng.standard_normal((6, 64)).astype(np.float32)
     for fm, m in ((False, quantize_q4(w)), (True, quantize_q4(w)), (True, quantize_q8_0(w))):
-        got = _call(x, m, 1, fm, target="sluice_q4_linear_portable")
+        got = _call(x, m, 1, fm, target=b[native.Q4_TARGET])
         want = _definition(x, m, 1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        if native.load().sluice_q4_avx2():
-            np.testing.assert_array_equal(got, _call(x, m, 1, fm))
+        np.testing.assert_array_equal(got, _call(x, m, 1, fm))
 
 
 def _q4_born(params: dict) -> dict:

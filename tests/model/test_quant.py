@@ -1,11 +1,10 @@
 """int8 weights (model/quant.py) and the CPU's native kernel (pallas_kernels/native.py):
-the kernel against its definition in numpy, for both layouts, every tile shape and each
-build this CPU can run (AMX, AVX-512, AVX2, portable); a row's result independent of its batch;
+the kernel against its definition in numpy, for every tile shape, each native target this
+CPU can run (tests/native_targets.py: portable, AVX2, AVX-512, AVX-512 BF16, AMX) and each
+block order the target reads, the one it packs first; a row's result independent of its batch;
 the runner on a tiny random model against the f32 runner, holding no f32 projections."""
 
 from __future__ import annotations
-
-import ctypes
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from model.quant import (PROJECTIONS, Int8Matrix, dequantize_int8, linear, nativ
 from model.runner import ModelRunner
 from pallas_kernels import native
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
+from tests import native_targets as targets
 from tests.model.test_runner import TINY, random_params
 
 pytestmark = pytest.mark.skipif(not native.available()[0],
@@ -30,19 +30,14 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return b.view(np.float32).astype(np.float64)
 
 
-def _definition(x: np.ndarray, m: Int8Matrix, layer: int, target: str = "") -> np.ndarray:
-    """x [T, in] times layer `layer`'s dequantized weights, both rounded to bf16 (the
-    bf16 dots of the AMX and AVX-512 paths, and the portable loop that matches them);
-    the AVX2 path has no bf16 dot and rounds neither."""
+def _definition(x: np.ndarray, m: Int8Matrix, layer: int, rounds_bf16: bool) -> np.ndarray:
+    """x [T, in] times layer `layer`'s dequantized weights, both rounded to bf16 where the
+    build's dots are bf16 (the AMX and AVX-512 BF16 paths, and the portable loop that
+    matches them); the AVX2 path has no bf16 dot and rounds neither."""
     w = dequantize_int8(m)[layer]  # [out, in]
-    if _is_avx2(target):
+    if not rounds_bf16:
         return x.astype(np.float64) @ w.astype(np.float64).T
     return _bf16(x) @ _bf16(w).T
-
-
-def _is_avx2(target: str) -> bool:
-    return target.endswith("_avx2") or (target == native.TARGET
-                                        and native.available()[1] == "avx2")
 
 
 def _call(x, m, layer, fm, target=native.TARGET):
@@ -74,59 +69,54 @@ def test_quantize_packs_blocks_and_dequantizes_within_half_a_step():
         quantize_int8(np.zeros((1, 16, 40), np.float32))
 
 
-def _build(name: str, *flags: str) -> ctypes.CDLL:
-    """Another build of the kernel, registered as the FFI target `name`."""
-    lib = ctypes.cdll.LoadLibrary(str(native.build(
-        ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", *flags))))
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SluiceQ8Linear), platform="cpu")
-    return lib
-
-
-def _builds() -> list[str]:
-    """The kernel's paths this CPU runs: the default build, where that one uses AMX the
-    AVX-512 path built without it, and where it uses AVX-512 the AVX2 path."""
-    out = [native.TARGET]
-    if native.available()[1] == "amx":
-        lib = _build("sluice_q8_linear_avx512", "-march=native", "-mno-amx-tile",
-                     "-mno-amx-bf16", "-mno-amx-int8")
-        assert lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx512() == 1
-        out.append("sluice_q8_linear_avx512")
-    flags = native._cpu_flags().split()
-    if native.available()[1] != "avx2" and "avx2" in flags and "fma" in flags:
-        lib = _build("sluice_q8_linear_avx2", "-march=haswell")
-        assert lib.sluice_q8_avx2() == 1
-        out.append("sluice_q8_linear_avx2")
-    return out
-
-
-def _layouts(target: str) -> list[int]:
-    """The block orders a build reads: the AVX2 path both, the others layout 0."""
-    return [0, 1] if _is_avx2(target) else [0]
-
-
 def _cases():
-    return [(t, lay) for t in _builds() for lay in _layouts(t)]
+    """(target, layout) for every native target and each block order it reads."""
+    return [(t, lay) for t in targets.TARGETS for lay in targets.READS[t]]
 
 
 def _row_cases():
-    """Every row count for each build and layout, except the default build's layout that
-    this machine does not pack: there the forms' edges only."""
+    """Every row count for each target's own packed layout, the forms' edges for the
+    other layout it reads."""
     all_rows = [1, 3, 4, 5, 7, 8, 13, 16, 17, 40, 70]
-    own = native_layout()
     return [(t, lay, r) for t, lay in _cases()
-            for r in (all_rows if t != native.TARGET or lay == own else [1, 7, 16, 17])]
+            for r in (all_rows if lay == targets.PACKS[t] else [1, 7, 16, 17])]
+
+
+@pytest.mark.parametrize("target", targets.TARGETS)
+def test_each_target_packs_the_layout_it_reads(target):
+    """What a build says of itself (csrc/q8_linear.cc) is what the tests and
+    model/quant.py assume; another block order than it reads is refused, never misread."""
+    b = targets.build(target)
+    assert b.q8_layout == targets.PACKS[target]
+    assert [lay for lay in (0, 1) if b.reads_layout(lay)] == targets.READS[target]
+    m = quantize_int8(np.ones((1, 16, 32), np.float32), 1 - b.q8_layout)
+    if not b.reads_layout(m.layout):
+        with pytest.raises(Exception, match="reads layout 0 only"):
+            _call(np.ones((1, 32), np.float32), m, 0, False, b[native.TARGET])
+
+
+def test_the_default_build_is_one_of_the_targets_and_packs_its_layout():
+    """The build a server loads (-march=native) reads the layout model/quant.py packs."""
+    kind = native.available()[1]
+    lib = native.load()
+    assert native_layout() == lib.sluice_q8_layout() and lib.sluice_q8_reads_layout(
+        native_layout())
+    assert quantize_int8(np.ones((1, 16, 32), np.float32)).layout == native_layout()
+    assert kind in ("amx", "avx512", "avx2", "portable")
+    assert native_layout() == (1 if kind == "avx2" else 0)
 
 
 @pytest.mark.parametrize("target,layout,rows", _row_cases())
 @pytest.mark.parametrize("feature_major", [False, True])
 def test_kernel_is_its_definition_and_close_to_f32(target, layout, feature_major, rows):
+    b = targets.build(target)
     rng = np.random.default_rng(rows)
     # 3 blocks (odd); 40 columns: two groups of 16 and one padded to 16
     w = (rng.standard_normal((3, 40, 96)) * 0.05).astype(np.float32)
     m = quantize_int8(w, layout)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
-    got = _call(x, m, 2, feature_major, target)
-    want = _definition(x, m, 2, target)
+    got = _call(x, m, 2, feature_major, b[native.TARGET])
+    want = _definition(x, m, 2, b.q8_rounds_to_bf16)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     exact = x @ w[2].T
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # int8 is close
@@ -134,6 +124,7 @@ def test_kernel_is_its_definition_and_close_to_f32(target, layout, feature_major
 
 @pytest.mark.parametrize("target,layout", _cases())
 def test_a_rows_result_does_not_depend_on_its_batch(target, layout):
+    target = targets.build(target)[native.TARGET]
     rng = np.random.default_rng(3)
     m = quantize_int8(rng.standard_normal((1, 64, 128)).astype(np.float32), layout)
     x = rng.standard_normal((37, 128)).astype(np.float32)
@@ -152,6 +143,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(target, layout):
 def test_zero_rows_are_skipped_and_the_others_keep_their_bits(target, layout, feature_major):
     """A bucket's padding rows are zero (model/llama.py): the kernel multiplies only the
     other rows, writes exact zeros for these, and changes no other row's result."""
+    target = targets.build(target)[native.TARGET]
     rng = np.random.default_rng(5)
     m = quantize_int8((rng.standard_normal((1, 40, 96)) * 0.1).astype(np.float32), layout)
     x = rng.standard_normal((19, 96)).astype(np.float32)
@@ -168,18 +160,21 @@ def test_zero_rows_are_skipped_and_the_others_keep_their_bits(target, layout, fe
     assert (_call(np.zeros_like(x), m, 0, feature_major, target) == 0).all()
 
 
-def test_the_portable_build_computes_the_same():
-    lib = _build("sluice_q8_linear_portable", "-march=x86-64")
-    assert lib.sluice_q8_avx512() == 0 and lib.sluice_q8_amx() == 0 and lib.sluice_q8_avx2() == 0
+@pytest.mark.parametrize("layout", [0, 1])
+def test_the_portable_build_computes_what_the_default_build_does(layout):
+    """Where the default build reads the same block order and rounds as the portable loop
+    does (the bf16-dot paths), the same values; always the definition."""
+    portable = targets.build("portable")
+    default = native.load()
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((2, 12, 64)) * 0.1).astype(np.float32)
     x = rng.standard_normal((6, 64)).astype(np.float32)
-    for fm, m in ((False, quantize_int8(w, 0)), (True, quantize_int8(w, 0)),
-                  (True, quantize_int8(w, 1))):
-        got = _call(x, m, 1, fm, target="sluice_q8_linear_portable")
-        want = _definition(x, m, 1)
+    m = quantize_int8(w, layout)
+    for fm in (False, True):
+        got = _call(x, m, 1, fm, target=portable[native.TARGET])
+        want = _definition(x, m, 1, rounds_bf16=True)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        if not _is_avx2(native.TARGET):
+        if not default.sluice_q8_avx2() and default.sluice_q8_reads_layout(layout):
             np.testing.assert_allclose(got, _call(x, m, 1, fm), rtol=1e-5, atol=1e-5)
 
 

@@ -1,5 +1,5 @@
-"""The native attention kernels' portable build (no AVX-512: a CI machine may be one)
-against the dense reference: prefill blocks, and a shared prefix then each row's own
+"""Each native target's attention kernels (tests/native_targets.py: the portable loops,
+AVX2, AVX-512, AVX-512 BF16, AMX, where this CPU runs them) against the dense reference: prefill blocks, and a shared prefix then each row's own
 pages, over f32 pools, pools of bf16 bit patterns and int8 pools (each row's scale after
 it). The default build is checked through the CPU backend (test_backends.py);
 here too where it reads a bf16 pool through the AMX tile unit (queries and weights
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import native, paged_attention_dense
+from tests import native_targets as targets
 
 
 def _int8_rows(x):
@@ -62,24 +63,24 @@ POOL_IDS = ["f32-pool", "bf16-bits-pool", "int8-pool"]
 
 
 @pytest.mark.parametrize("kind", POOLS, ids=POOL_IDS)
-def test_portable_prefill_matches_dense(portable, kind):
+def test_each_target_prefill_matches_dense(target_build, kind):
     qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0, **kind)
-    for target in (native.PREFILL_TARGET, portable[native.PREFILL_TARGET]):
+    for target in (native.PREFILL_TARGET, target_build[native.PREFILL_TARGET]):
         out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql, target=target)
         np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
                                    atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", POOLS, ids=POOL_IDS)
-def test_portable_prefix_then_own_pages_match_dense(portable, kind):
+def test_each_target_prefix_then_own_pages_match_dense(target_build, kind):
     qg, k, v, tables, ctx, ql, ref = _case(20, 1, 1, **kind)  # 20 rows x 3 heads: two tasks
     shared = np.zeros((2, tables.shape[1]), np.int32)
     shared[0, :2] = tables[0, :2]
     rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
     rows_of[::3] = 0  # some rows walk the prefix themselves
     start = np.where(rows_of > 0, 8, 0).astype(np.int32)
-    for pre, dec in ((native.PREFIX_TARGET, native.ATTENTION_TARGET),
-                     (portable[native.PREFIX_TARGET], portable[native.ATTENTION_TARGET])):
+    own = (target_build[native.PREFIX_TARGET], target_build[native.ATTENTION_TARGET])
+    for pre, dec in ((native.PREFIX_TARGET, native.ATTENTION_TARGET), own):
         m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
                                             np.array([8, 0], np.int32), rows_of, target=pre)
         out = native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l, acc,
@@ -181,3 +182,23 @@ def test_the_engine_writes_int8_rows_as_the_kernels_read_them():
     back = np.asarray(from_pool(jnp.asarray(got), 64))
     np.testing.assert_allclose(back, got[..., :64] * scale[..., None], rtol=1e-6)
     assert np.abs(back - x).max() <= np.abs(x).max() / 127 / 2 * 1.01
+
+
+def test_this_machine_exercises_every_target_its_cpu_runs(record_property):
+    """Names the targets this run exercised (also in the report header): each one the
+    CPU can run builds, says which paths it took, and takes the attention walk of its
+    vector width; the others are named with the reason they skip."""
+    widths = {"portable": 1, "avx2": 8, "avx512": 16, "avx512-bf16": 16, "amx": 16}
+    exercised = []
+    for name in targets.runnable():
+        try:
+            b = targets.build(name)
+        except pytest.skip.Exception:  # AMX that the OS does not grant
+            continue
+        assert b.lib.sluice_lane_width() == widths[name], name
+        assert b.lib.sluice_q8_avx512() == (name in ("avx512-bf16", "amx")), name
+        assert b.lib.sluice_q8_amx() == (name == "amx"), name
+        exercised.append(name)
+    assert "portable" in exercised  # every x86 runs it
+    record_property("native_targets", ",".join(exercised))
+    print(targets.header())

@@ -1,6 +1,6 @@
 """The native LoRA kernel (csrc/lora_delta.cc) against numpy: each token takes its own
 slot's delta (none for slot -1), in f32 and bf16 storage, feature-major and row-major, in
-the default build and the portable one; a token's result does not depend on its batch."""
+the default build and each native target this CPU runs (tests/native_targets.py); a token's result does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ def built():
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("fm", [True, False], ids=["feature-major", "row-major"])
 @pytest.mark.parametrize("t,r", [(21, 8), (70, 19)], ids=["decode-like", "prompt-like"])
-def test_each_token_takes_its_own_slot(built, portable, dtype, fm, t, r):
+def test_each_token_takes_its_own_slot(built, target_build, dtype, fm, t, r):
     """21 tokens of rank 8 run on one thread; 70 of rank 19 (more rank rows than one
     register block, not a multiple of the A passes) are split over the thread pool."""
     y, x, a, b, slots, bounds = _case(t, 0, dtype, r)
     want = _want(y, x, a, b, slots, bounds, 2)
-    for target in (native.LORA_TARGET, portable[native.LORA_TARGET]):
+    for target in (native.LORA_TARGET, target_build[native.LORA_TARGET]):
         got = _run(y, x, a, b, slots, bounds, 2, fm, dtype, target)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=target)
     assert np.array_equal(got[0], y[0])  # slot -1: the base projection, untouched
