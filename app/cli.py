@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="while running slots are free, refuse only past X times the TTFT "
                         "target (default: the config's ttft_slack, 3); 1: a strict door, "
                         "every admitted request expected within the target")
+    s.add_argument("--queue-prefix-followers", action="store_true",
+                   help="admit a request whose system prompt a running prefill is still "
+                        "computing behind it instead of refusing it until the prefix is in "
+                        "(for load generators that count a 429 as a failure, GuideLLM's)")
     s.add_argument("--itl-target", type=float, metavar="S",
                    help="plan every step within S seconds: the number of streams follows "
                         "(default: the config's itl_target_s, 0 = off)")
@@ -167,6 +171,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, ttft_target_s=args.ttft_target)
         if getattr(args, "ttft_slack", None) is not None:
             sched = replace(sched, ttft_slack=args.ttft_slack)
+        if getattr(args, "queue_prefix_followers", False):
+            sched = replace(sched, queue_prefix_followers=True)
         if getattr(args, "itl_target", None) is not None:
             sched = replace(sched, itl_target_s=args.itl_target)
         pool = replace(pool, scheduler=sched)

@@ -39,6 +39,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # then refused only past ttft_target_s * ttft_slack, a real prefill backlog (a
     # refused client that comes back finds the same work ahead: late beats refused).
     ttft_slack: float = 3.0
+    # A request whose prefix (a new system prompt) a running prefill is still computing
+    # cannot start before that prefix is in. False: judged on the target like any other,
+    # so refused with a Retry-After of when the prefix is expected in and admitted then,
+    # its prefix cached (the first burst after a start: every admitted request within
+    # the target). True: admitted behind that prefill whenever no replica would serve it
+    # sooner, for load generators that count a 429 as a failed request (GuideLLM's).
+    queue_prefix_followers: bool = False
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
     # The inter-token latency target (0: off). With one, every step is planned so that its

@@ -242,15 +242,14 @@ class Admission:
         replica has room, however long its prefill takes. Retry-After is the wait.
 
         A prompt whose prefix a running prefill is still computing (`prefix_wait` tokens
-        to go) cannot start before that prefix is in. It is admitted whenever its first
-        token comes here no later than on an idle replica without the prefix cached
-        (which would compute the whole prompt): nowhere would it be served sooner. So
-        the followers of a new system prompt queue behind it rather than being refused
-        until it is cached (a client that does not retry, GuideLLM's, would count each
-        refusal an error; a polite one would come back to the same wait). A strict door
-        (`ttft_slack` 1: every admitted request is expected within the target, for
-        clients that retry or a router that sends a refusal elsewhere) judges them on the
-        target like any other: refused until the prefix is in, then admitted.
+        to go) cannot start before that prefix is in, and is judged on the target like
+        any other: the followers of a new system prompt are refused (Retry-After: when
+        the prefix is expected in) until it is cached, then admitted, so that every
+        admitted request of a first burst is expected within the target. With
+        `queue_prefix_followers` (for clients that count a refusal as an error,
+        GuideLLM's) it is admitted whenever its first token comes here no later than on
+        an idle replica without the prefix cached (which would compute the whole
+        prompt): nowhere would it be served sooner.
 
         The prediction is judged times `ttft_factor` (how late first tokens have come
         against their predictions), and returned: None when there is none yet."""
@@ -271,8 +270,8 @@ class Admission:
             # It cannot start before the prefix it shares with a running prefill is in.
             ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
             alone = sched.prefill_seconds(prompt_tokens) + step
-            if ttft <= alone and self.config.ttft_slack > 1.0:
-                return ttft  # (a strict door, slack 1, judges it on the target)
+            if ttft <= alone and self.config.queue_prefix_followers:
+                return ttft
         elif wait <= 0.0:
             return own  # nothing ahead: admitted (nowhere would it start sooner)
         else:

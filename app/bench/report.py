@@ -117,6 +117,7 @@ def print_table(summary: Mapping[str, Any]) -> None:
     if li:
         c.print(f"long prompt TTFT {_ms(li['long']['ttft_s'])} ms; short p95 ITL before "
                 f"{_ms(li['short_itl_before_s']['p95'])} ms, during "
-                f"{_ms(li['short_itl_during_s']['p95'])} ms")
+                f"{_ms(li['short_itl_during_s']['p95'])} ms, while it decodes "
+                f"{_ms(li['short_itl_while_long_decodes_s'].get('p95'))} ms")
     for err, n in (summary.get("errors") or {}).items():
         c.print(f"{n} x {err}", style="red", markup=False, highlight=False)

@@ -175,7 +175,8 @@ def gap_intervals(records: Iterable[RequestRecord]) -> list[tuple[float, float, 
 
 
 def interference(shorts: Sequence[RequestRecord], long: RequestRecord) -> dict[str, object]:
-    """The short streams' ITL before, during and after the long request's prefill.
+    """The short streams' ITL before, during and after the long request's prefill, and
+    over the whole of its decode.
 
     The window is from the long request's send to its first token. A gap belongs to
     *during* if it overlaps the window at all: a decode step stalled by the prefill shows
@@ -188,14 +189,22 @@ def interference(shorts: Sequence[RequestRecord], long: RequestRecord) -> dict[s
     send = long.start
     first = long.start + long.ttft if long.ttft is not None else None
     end = first if first is not None else long.start + (long.e2e or 0.0)
+    done = long.start + long.e2e if long.e2e is not None else end
     gaps = gap_intervals(shorts)
     before = [b - a for a, b, _ in gaps if b <= send]
     during = [b - a for a, b, _ in gaps if a < end and b > send]
     after = [b - a for a, b, _ in gaps if a >= end]
+    # The whole of the long request's decode: gaps that begin after its first token and
+    # end by its last (each of these steps carried its row of ~6,000 keys).
+    decoding = [b - a for a, b, _ in gaps if a >= end and b <= done]
     d_before, d_during = distribution(before), distribution(during)
-    ratio = None
-    if d_before["p95"] and d_during["p95"] is not None:
-        ratio = float(d_during["p95"]) / float(d_before["p95"])  # type: ignore[arg-type]
+    d_decoding = distribution(decoding)
+
+    def over_before(d):
+        if d_before["p95"] and d["p95"] is not None:
+            return float(d["p95"]) / float(d_before["p95"])  # type: ignore[arg-type]
+        return None
+
     return {
         "long": {"status": long.status, "ttft_s": long.ttft, "e2e_s": long.e2e,
                  "prompt_tokens": long.prompt_tokens, "output_tokens": long.output_tokens,
@@ -204,7 +213,10 @@ def interference(shorts: Sequence[RequestRecord], long: RequestRecord) -> dict[s
         "short_itl_before_s": d_before,
         "short_itl_during_s": d_during,
         "short_itl_after_s": distribution(after),
+        "short_itl_while_long_decodes_s": d_decoding,
+        "long_decode_window_s": [end, done],
         "short_ttft_sent_during_s": distribution(
             r.ttft for r in shorts if send <= r.start < end and r.ttft is not None),
-        "p95_during_over_before": ratio,
+        "p95_during_over_before": over_before(d_during),
+        "p95_while_long_decodes_over_before": over_before(d_decoding),
     }

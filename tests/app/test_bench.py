@@ -126,6 +126,10 @@ def test_interference_windows():
     assert li["short_itl_after_s"]["count"] == 2  # 3.05 -> 3.1 and the cancelled one's
     assert li["p95_during_over_before"] > 5
     assert li["long"]["ttft_s"] == 2.0
+    # Its decode, 3.0 .. 3.1: only 3.05 -> 3.1 lies wholly inside.
+    assert li["long_decode_window_s"] == [3.0, pytest.approx(3.1)]
+    assert li["short_itl_while_long_decodes_s"]["count"] == 1
+    assert li["p95_while_long_decodes_over_before"] == pytest.approx(0.05 / 0.1, rel=0.6)
 
 
 # ------------------------------------------------------------------------------ workloads

@@ -57,10 +57,12 @@ class FakeQueries:
 
 
 def door(ttft_target_s: float = 1.0, ttft_slack: float = 1.0,
+         queue_prefix_followers: bool = False,
          **queries) -> tuple[Admission, FakeQueries, FakeClock]:
     """(The arithmetic tests refuse at the target itself: slack 1.)"""
     sched, clock = FakeQueries(**queries), FakeClock()
-    cfg = SchedulerConfig(ttft_target_s=ttft_target_s, ttft_slack=ttft_slack)
+    cfg = SchedulerConfig(ttft_target_s=ttft_target_s, ttft_slack=ttft_slack,
+                          queue_prefix_followers=queue_prefix_followers)
     return Admission(sched, cfg, clock, max_context=4096), sched, clock
 
 
@@ -254,12 +256,13 @@ def test_requests_still_being_tokenized_count_as_ahead():
     assert e.value.reason == "queue_full"
 
 
-def test_a_follower_of_a_prefix_in_flight_is_admitted_when_nowhere_is_sooner():
-    """A request whose system prompt a running prefill is computing: admitted whenever
-    its first token comes here no later than on an idle replica that computes its whole
-    prompt; refused when the queue ahead makes it later than both."""
+def test_queued_followers_of_a_prefix_in_flight_are_admitted_when_nowhere_is_sooner():
+    """`queue_prefix_followers`: a request whose system prompt a running prefill is
+    computing is admitted whenever its first token comes here no later than on an idle
+    replica that computes its whole prompt; refused when the queue ahead makes it later
+    than both."""
     adm, sched, _ = door(ttft_target_s=1.0, ttft_slack=3.0, waiting_tokens=30,
-                         prefill_token_s=0.01)
+                         prefill_token_s=0.01, queue_prefix_followers=True)
     # 15 s of prefix to go + 0.65 s: 15.65 s here, 20.65 s on a cold replica: admitted.
     assert adm.check_ttft(2065, uncached=65, prefix_wait=1500) == pytest.approx(15.65)
     adm.check_ttft(2065, uncached=65, prefix_wait=20)  # max(0.3, 0.2) + 0.65 s: on target
@@ -268,11 +271,13 @@ def test_a_follower_of_a_prefix_in_flight_is_admitted_when_nowhere_is_sooner():
         adm.check_ttft(2065, uncached=65, prefix_wait=1500)
 
 
-def test_a_strict_door_refuses_a_follower_until_its_prefix_is_in():
-    """`ttft_slack` 1: every admitted request is expected within the target, so the
-    followers of a system prompt still being computed are refused (Retry-After: when the
-    prefix is expected in), nothing ahead of them or not, and admitted once it is."""
-    adm, sched, _ = door(ttft_target_s=1.0, ttft_slack=1.0, prefill_token_s=0.01)
+@pytest.mark.parametrize("slack", [1.0, 3.0])
+def test_the_door_refuses_a_follower_until_its_prefix_is_in(slack):
+    """By default (whatever the slack) every admitted request is expected within the
+    target, so the followers of a system prompt still being computed are refused
+    (Retry-After: when the prefix is expected in), nothing ahead of them or not, and
+    admitted once it is."""
+    adm, sched, _ = door(ttft_target_s=1.0, ttft_slack=slack, prefill_token_s=0.01)
     assert adm.expected_wait() == 0.0  # no queue: only the prefix is ahead
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(2065, uncached=65, prefix_wait=1500)  # 15 s + 0.65 s
