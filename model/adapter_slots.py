@@ -21,6 +21,15 @@ place, never a compile).
 Which adapter goes in which slot is the scheduler's decision (`scheduler/adapters.py`);
 the plan says, and `load` does it before the step.
 
+Tensor parallelism (`tp`, model/tp.py): the arrays are shaped for the padded model (an
+adapter's padded heads and features are zero rows of A and columns of B) and split as
+the weights are. q/k/v and gate/up (split by output columns): A replicated, B by output
+columns, each device's share of every target (the native B packed per device, `bounds`
+a device's targets); o and down (split by input rows): A by its input features, B
+replicated, so each device adds its partial delta x_i A_i B to its partial output before
+the psum that follows (linear: no collective of its own). A slot's write is one program
+over the mesh, the host arrays laid out as the device arrays are, the slot axis left out.
+
 Host copies: every registered adapter's path is kept; the arrays of at most `slots +
 max_cpu` of them stay in memory (least recently used go), the others are read from disk
 again when a slot needs them.
@@ -37,11 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.native import LORA_BLOCK, fast, lora_delta, pack_lora_b
 
 from .config import ModelConfig
 from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter
+from .tp import AXIS
+
+COLUMN_GROUPS = ("qkv", "gate_up")  # split by output columns under TP; "o", "down" by input
 
 log = logging.getLogger("sluice.adapters")
 
@@ -68,27 +81,39 @@ def native_available() -> bool:
 class LoraSlots:
     def __init__(self, config: ModelConfig, slots: int, *, max_rank: int, dtype,
                  feature_major: bool, max_cpu: int | None = None,
-                 native: bool = False) -> None:
-        """`native`: the CPU kernel's layout (`NativeLora`), else the stacked one."""
+                 native: bool = False, tp=None) -> None:
+        """`config`: the model's own (adapters are read against it); `native`: the CPU
+        kernel's layout (`NativeLora`), else the stacked one; `tp`: the runner's
+        `TensorParallel` (None: one device)."""
         self.config, self.slots, self.max_rank = config, slots, max_rank
         self.dtype, self.feature_major, self.native = dtype, feature_major, native
+        self.tp, self.shards = tp, (tp.n if tp is not None else 1)
         self.max_host = slots + (max_cpu if max_cpu is not None else slots)
-        shapes = group_shapes(config)
-        L, R = config.num_layers, max_rank
-        self.arrays = {}
+        self.shapes = group_shapes(tp.padded_config(config) if tp is not None else config)
+        L, R, n = config.num_layers, max_rank, self.shards
+        shapes, specs = {}, {}
         for group, mods in GROUPS.items():
-            n_in, outs = shapes[group]
-            t, fm = len(mods), feature_major
+            n_in, outs = self.shapes[group]
+            t, fm, col = len(mods), feature_major, group in COLUMN_GROUPS
             if native:
-                blocks = sum(-(-o // LORA_BLOCK) for o in outs)
-                self.arrays[group] = NativeLora(
-                    jnp.zeros((L, t, slots, R, n_in), dtype),
-                    jnp.zeros((L, slots, blocks, R, LORA_BLOCK), dtype),
-                    tuple(int(v) for v in np.concatenate([[0], np.cumsum(outs)])))
+                local = [o // n for o in outs] if col else list(outs)
+                blocks = sum(-(-o // LORA_BLOCK) for o in local) * (n if col else 1)
+                shapes[group] = NativeLora((L, t, slots, R, n_in),
+                                           (L, slots, blocks, R, LORA_BLOCK),
+                                           tuple(int(v) for v in np.cumsum([0, *local])))
+                specs[group] = NativeLora(_split(5, None if col else 4),
+                                          _split(5, 2 if col else None), shapes[group].bounds)
                 continue
-            a = (L, t, slots, R, n_in) if fm else (L, n_in, t, slots, R)
-            bs = tuple((L, o, slots, R) if fm else (L, slots, R, o) for o in outs)
-            self.arrays[group] = (jnp.zeros(a, dtype), tuple(jnp.zeros(b, dtype) for b in bs))
+            shapes[group] = ((L, t, slots, R, n_in) if fm else (L, n_in, t, slots, R),
+                             tuple((L, o, slots, R) if fm else (L, slots, R, o) for o in outs))
+            specs[group] = (_split(5, None if col else (4 if fm else 1)),
+                            tuple(_split(4, (1 if fm else 3) if col else None) for _ in outs))
+        self.specs = specs if tp is not None else None  # shard_map's in_specs for `arrays`
+
+        def zeros(shape, spec):
+            return jnp.zeros(shape, dtype, device=None if tp is None else tp.sharding(spec))
+
+        self.arrays = jax.tree.map(zeros, shapes, specs, is_leaf=_is_shape)
         self.paths: dict[str, str] = {}  # every registered adapter
         self._host: OrderedDict[str, dict] = OrderedDict()  # name -> arrays, device layout
         self._write: Callable | None = None
@@ -113,20 +138,28 @@ class LoraSlots:
     def _layout(self, adapter: LoraAdapter) -> dict:
         """One slot's host arrays in the device layout (the slot axis left out): A
         [layers, targets, R, in] ([layers, in, targets, R]), B [layers, out, R] ([layers,
-        R, out]); native: A as feature-major, B [layers, blocks, R, 16]."""
-        out, fm, dt = {}, self.feature_major, self.dtype
+        R, out]); native: A as feature-major, B [layers, blocks, R, 16] (with TP, a
+        column-split group's B packed per device, the devices' blocks one after another).
+        Padded heads and features (TP) get zero rows of A and columns of B."""
+        out, fm, dt, n = {}, self.feature_major, self.dtype, self.shards
         for g, mods in GROUPS.items():
-            a = adapter.a[g]  # [layers, in, targets * R]
+            n_in, outs = self.shapes[g]
+            a = _pad(adapter.a[g], 1, n_in)  # [layers, in, targets * R]
             a = a.reshape(a.shape[0], a.shape[1], len(mods), -1)
+            bs = [np.asarray(_pad(b, 2, o), dt) for b, o in zip(adapter.b[g], outs)]
             if self.native:
+                if g in COLUMN_GROUPS and n > 1:  # device i: columns i of every target
+                    parts = [np.split(b, n, axis=-1) for b in bs]
+                    b = np.concatenate([pack_lora_b([p[i] for p in parts]) for i in range(n)],
+                                       axis=-3)
+                else:
+                    b = pack_lora_b(bs)
                 out[g] = self.arrays[g].replace(
-                    a=np.ascontiguousarray(a.transpose(0, 2, 3, 1), dt),
-                    b=pack_lora_b([np.asarray(b, dt) for b in adapter.b[g]]))
+                    a=np.ascontiguousarray(a.transpose(0, 2, 3, 1), dt), b=b)
                 continue
             a = np.ascontiguousarray(a.transpose(0, 2, 3, 1) if fm else a, dt)
-            bs = tuple(np.ascontiguousarray(np.swapaxes(b, 1, 2) if fm else b, dt)
-                       for b in adapter.b[g])
-            out[g] = (a, bs)
+            out[g] = (a, tuple(np.ascontiguousarray(np.swapaxes(b, 1, 2) if fm else b)
+                               for b in bs))
         return out
 
     def _keep(self, name: str, arrays: dict) -> None:
@@ -172,10 +205,23 @@ class LoraSlots:
         def write(arrays, slot, new):
             return jax.tree.map(lambda d, s, ax: put(d, s, ax, slot), arrays, new, axes)
 
-        spec = jax.tree.map(lambda x, ax: jax.ShapeDtypeStruct(
-            x.shape[:ax] + x.shape[ax + 1:], x.dtype), self.arrays, axes)
-        self._write = jax.jit(write, donate_argnums=(0,)).lower(
-            self.arrays, jax.ShapeDtypeStruct((), jnp.int32), spec).compile()
+        tp, shardings = self.tp, {}
+
+        def one(x, ax):  # a slot's array: the slot axis left out, split as the slots are
+            sharding = None
+            if tp is not None:
+                parts = (*x.sharding.spec, *(None,) * (x.ndim - len(x.sharding.spec)))
+                sharding = tp.sharding(P(*parts[:ax], *parts[ax + 1:]))
+            return jax.ShapeDtypeStruct(x.shape[:ax] + x.shape[ax + 1:], x.dtype,
+                                        sharding=sharding)
+
+        spec = jax.tree.map(one, self.arrays, axes)
+        slot = jax.ShapeDtypeStruct((), jnp.int32)
+        if tp is not None:
+            slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=tp.replicated)
+            shardings = {"out_shardings": jax.tree.map(lambda x: x.sharding, self.arrays)}
+        self._write = jax.jit(write, donate_argnums=(0,), **shardings).lower(
+            self.arrays, slot, spec).compile()
         zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec)
         self.arrays = self._write(self.arrays, np.int32(0), zeros)
 
@@ -185,3 +231,22 @@ class LoraSlots:
             raise ValueError(f"adapter slot {slot} out of range [0, {self.slots})")
         self.compile()
         self.arrays = self._write(self.arrays, np.int32(slot), self._host_arrays(name))
+
+
+def _split(ndim: int, axis: int | None) -> P:
+    """The PartitionSpec of an `ndim` array split along `axis` over "tp" (None: replicated)."""
+    return P() if axis is None else P(*(AXIS if i == axis else None for i in range(ndim)))
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(v, int) for v in x)
+
+
+def _pad(x: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """x with zeros appended along `axis` up to `size` (padded heads and features)."""
+    extra = size - x.shape[axis]
+    if not extra:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return np.pad(x, pad)

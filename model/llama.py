@@ -59,7 +59,8 @@ class StepBatch:
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
                    switched_mlp: bool = False, unrolled: bool = False,
-                   quantization: str = "none", shards: int = 1, place=None) -> dict:
+                   quantization: str = "none", shards: int = 1, place=None,
+                   place_quantized=None) -> dict:
     """Loader layout -> device layout: q/k/v and gate/up fused, cast to `dtype`, the
     layers' weights in two groups, "attn" and "mlp", each stacked on a leading layer axis
     or (the MLP's, with `switched_mlp`; both groups', with `unrolled`) kept one dict per
@@ -77,8 +78,11 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     `shards` (tensor parallelism, model/tp.py): the fused q/k/v and gate/up interleave
     their parts so that each of `shards` equal column slices holds its devices' own q, k
     and v heads (gate and up features), as `forward` on that device expects; `place(name,
-    host array)` puts each tensor on the device(s) (default: `jnp.asarray`)."""
+    host array)` puts each tensor on the device(s) (default: `jnp.asarray`), and
+    `place_quantized(name, f32 [layers, out, in], quantize)` each quantized one (default:
+    `quantize` it where JAX puts it; tensor parallelism quantizes each device's shard)."""
     put = place or (lambda name, a: jnp.asarray(a))
+    put_q = place_quantized or (lambda name, w, quantize: quantize(w))
     quantize, quantize_head = {"int8": (quantize_int8, quantize_int8),
                                "q4_1": (quantize_q4, quantize_q8_0)}.get(quantization, (None,) * 2)
 
@@ -112,7 +116,8 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
             for i, lp in enumerate(params["layers"]):
                 host[i] = get(lp)
             if quantize and name in PROJECTIONS:  # the kernel's (out, in), whatever the layout
-                layers[group][name] = quantize(host if feature_major else host.swapaxes(1, 2))
+                layers[group][name] = put_q(name, host if feature_major
+                                            else host.swapaxes(1, 2), quantize)
             else:
                 layers[group][name] = put(name, host)
             del host
@@ -121,7 +126,8 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
            "layers": layers}
     if quantize:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
         head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
-        out["head_int8"] = quantize_head(np.asarray(head, np.float32)[None])
+        out["head_int8"] = put_q("head_int8", np.asarray(head, np.float32)[None],
+                                 quantize_head)
     elif not cfg.tie_embeddings:
         out["lm_head"] = put("lm_head", np.asarray(matrix(np.asarray(params["lm_head"])), dtype))
     return out

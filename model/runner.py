@@ -108,23 +108,21 @@ class ModelRunner:
         devices: Sequence[Any] | None = None,
     ) -> None:
         # Where it runs: None, JAX's default device; else these, tensor parallel over them.
-        self.tp = TensorParallel(tuple(devices)) if devices else None
-        tp_n = self.tp.n if self.tp else 1
-        if tp_n > 1:
-            if adapter_slots:
-                raise ValueError("LoRA adapters (max_loras) need tensor_parallel = 1: the "
-                                 "adapter slots are not sharded yet")
-            if quantization in NATIVE_WEIGHTS:
-                raise ValueError(f"quantization {quantization!r} needs tensor_parallel = 1 (the "
-                                 "native CPU kernels' weights are not sharded)")
-            quantization = "none"  # "auto" too
-            if attention in (None, "cpu"):  # its prefix copy is state kept across steps
-                attention_options = {"prefix_copy_tokens": 0, **(attention_options or {})}
+        tp_n = len(devices) if devices else 1
+        self.dtype = resolve_dtype(dtype)
+        quantization = self._quantization(quantization)
+        # The native packed weights' blocks: 32 input values never straddle two devices.
+        self.tp = TensorParallel(tuple(devices), in_multiple=(
+            32 if quantization in NATIVE_WEIGHTS else 1)) if devices else None
+        if tp_n > 1 and attention in (None, "cpu"):
+            # The jnp cascade's prefix copy is device state kept across steps, which is not
+            # sharded (the native kernels keep none: they read the pool's pages in place).
+            attention_options = {"prefix_copy_tokens": 0, **(attention_options or {})}
+        self.base_config = config  # the model's own shapes (LoRA adapters are read against)
         if self.tp is not None:  # `config` becomes the padded one (model/tp.py)
             params = self.tp.pad_params(params, config)
             config = self.tp.padded_config(config)
         self.config = cfg = config
-        self.dtype = resolve_dtype(dtype)
         self.page_size = page_size
         self.block_q = block_q
         self.max_context = min(max_context or cfg.max_position, cfg.max_position)
@@ -150,33 +148,8 @@ class ModelRunner:
                  else mixed_decode_buckets)
         self.mixed_decode_buckets = sorted(set(mixed))
 
-        # int8 weights (model/quant.py): the projections and the lm_head multiplied by the
-        # CPU backend's native kernel in every shape; their f32 copies are not kept.
-        # "auto": int8 on the CPU where the kernel builds with a fast path (AMX, AVX-512,
-        # AVX2), else the weights' dtype. "q4_1": the projections in Q4_1 blocks times
-        # int8 activations (opt-in: the activations' rounding, docs/benchmarks.md).
-        if quantization not in ("auto", "none", *NATIVE_WEIGHTS):
-            raise ValueError(f"quantization must be 'auto', 'none', 'int8' or 'q4_1', not "
-                             f"{quantization!r}")
-        if quantization == "auto":
-            quantization = "none"
-            if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
-                from pallas_kernels.native import fast
-
-                ok, why = fast()
-                if ok:
-                    quantization = "int8"
-                else:
-                    log.warning("int8 weights unavailable, serving f32: %s", why)
-        if quantization in NATIVE_WEIGHTS:
-            from pallas_kernels.native import NativeUnavailable, available
-
-            ok, why = available()
-            if not ok:
-                raise NativeUnavailable(f"quantization {quantization!r} needs the CPU's "
-                                        f"native kernels: {why}")
         self.quantization = quantization
-        self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention, tp_n,
+        self.kv_dtype, self.kv_storage = self._kv_dtype(kv_cache_dtype, attention,
                                                         attention_options or {})
         row = row_elements(cfg.head_dim, self.kv_storage)
         self.kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * row
@@ -215,7 +188,8 @@ class ModelRunner:
             params, cfg, self.dtype, feature_major=self.feature_major,
             switched_mlp=self.switched_mlp, unrolled=self.unrolled_layers,
             quantization=quantization, shards=tp_n,
-            place=self.tp.placer(feature_major=self.feature_major) if self.tp else None)
+            place=self.tp.placer(feature_major=self.feature_major) if self.tp else None,
+            place_quantized=self.tp.quantized_placer() if self.tp else None)
         self._param_specs = (self.tp.param_specs(self.params, feature_major=self.feature_major)
                              if self.tp else None)
         # LoRA adapters held on the device at once (model/adapter_slots.py); 0: none, and
@@ -223,10 +197,11 @@ class ModelRunner:
         self.adapter_slots = adapter_slots
         # On the CPU the native kernel applies each token's own slot (SGMV-style), in bf16
         # beside the native kernels' base weights (which round activations too).
+        # With tensor parallelism the slots are split as the weights are (adapter_slots.py).
         native_lora = (native_lora if native_lora is not None else
-                       bool(adapter_slots) and self.tp is None and native_lora_available())
+                       bool(adapter_slots) and native_lora_available())
         self.lora = LoraSlots(
-            cfg, adapter_slots, max_rank=max_lora_rank,
+            self.base_config, adapter_slots, max_rank=max_lora_rank, tp=self.tp,
             dtype=jnp.bfloat16 if native_lora and quantization in NATIVE_WEIGHTS else self.dtype,
             feature_major=self.feature_major, max_cpu=max_cpu_loras,
             native=native_lora) if adapter_slots else None
@@ -262,26 +237,54 @@ class ModelRunner:
         self._prev_width = max((self._sample_rows(b) for b in self.programs.all), default=1)
         self._prev_tokens = np.zeros(self._prev_width, np.int32)
 
-    def _kv_dtype(self, kv_cache_dtype: str, attention: str | None, tp_n: int,
+    def _quantization(self, quantization: str) -> str:
+        """int8 weights (model/quant.py): the projections and the lm_head multiplied by the
+        CPU backend's native kernel in every shape; their f32 copies are not kept.
+        "auto": int8 on the CPU where the kernel builds with a fast path (AMX, AVX-512,
+        AVX2), else the weights' dtype. "q4_1": the projections in Q4_1 blocks times int8
+        activations (opt-in: the activations' rounding, docs/benchmarks.md). With tensor
+        parallelism too: each device multiplies its own packed shards (model/tp.py)."""
+        if quantization not in ("auto", "none", *NATIVE_WEIGHTS):
+            raise ValueError(f"quantization must be 'auto', 'none', 'int8' or 'q4_1', not "
+                             f"{quantization!r}")
+        if quantization == "auto":
+            quantization = "none"
+            if jax.default_backend() == "cpu" and self.dtype == jnp.float32:
+                from pallas_kernels.native import fast
+
+                ok, why = fast()
+                if ok:
+                    quantization = "int8"
+                else:
+                    log.warning("int8 weights unavailable, serving f32: %s", why)
+        if quantization in NATIVE_WEIGHTS:
+            from pallas_kernels.native import NativeUnavailable, available
+
+            ok, why = available()
+            if not ok:
+                raise NativeUnavailable(f"quantization {quantization!r} needs the CPU's "
+                                        f"native kernels: {why}")
+        return quantization
+
+    def _kv_dtype(self, kv_cache_dtype: str, attention: str | None,
                   attention_options: dict):
         """(what the KV pool holds, the array dtype it is stored as). "auto": the model's
-        dtype, except beside int8 weights on the CPU (the native kernels' path), where it
-        is bf16: half the bytes a token, and the lane attention's products run on the
-        AMX tile unit where the CPU has one (docs/benchmarks.md, "Lane attention on AMX
-        tiles"). bf16 on the CPU is stored as its bit patterns in uint16: XLA:CPU has no
-        native bf16 scatter or gather (a bf16 pool's step ran for minutes), and only the
-        native attention kernels read it, widening as they go. "int8": each token's row
-        of a KV head rounded over its largest magnitude, its f32 scale beside it
-        (`backends.to_pool`): a quarter of f32's bytes and a bit more, read by the native
-        kernels only (docs/benchmarks.md, "An int8 KV pool")."""
+        dtype, except beside the native weight formats on the CPU (the native kernels'
+        path), where it is int8: each token's row of a KV head rounded over its largest
+        magnitude, its f32 scale beside it (`backends.to_pool`), a quarter of f32's bytes
+        and a bit more, read by the native kernels only: 1.9x bf16's tokens in the same
+        bytes and faster steps, at 0.8 points of top-1 agreement (docs/benchmarks.md, "The
+        defaults"). "bfloat16" on the CPU is stored as its bit patterns in uint16: XLA:CPU
+        has no native bf16 scatter or gather (a bf16 pool's step ran for minutes), and
+        only the native attention kernels read it, widening as they go (its prompt
+        attention on the AMX tile unit where the CPU has one)."""
         if kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or "
                              f"'int8', not {kv_cache_dtype!r}")
         dtype = self.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
         if (kv_cache_dtype == "auto" and self.quantization in NATIVE_WEIGHTS
-                and attention in (None, "cpu") and tp_n == 1
-                and attention_options.get("native") is not False):
-            dtype = jnp.dtype(jnp.bfloat16)  # int8 means the native kernels are here
+                and attention in (None, "cpu") and attention_options.get("native") is not False):
+            dtype = jnp.dtype(jnp.int8)  # native weights mean the native kernels are here
         if dtype == jnp.int8 and jax.default_backend() != "cpu":
             raise ValueError("an int8 KV pool is read by the CPU backend's native kernels "
                              "only; on an accelerator use 'auto' or 'bfloat16'")
@@ -290,12 +293,15 @@ class ModelRunner:
         from pallas_kernels.native import available
 
         ok, why = available()
-        if (attention not in (None, "cpu") or tp_n > 1 or not ok
+        # With tensor parallelism too: inside `shard_map` the native kernels read each
+        # device's KV-head shard of the pool (a bf16 row, or an int8 row and its scale, is
+        # one head's), and their state-free plan is host metadata every device shares.
+        if (attention not in (None, "cpu") or not ok
                 or attention_options.get("native") is False):
             if kv_cache_dtype == "auto":  # a bf16 model's own pool, read by jnp (slow)
                 return dtype, dtype
             raise ValueError(f"a {dtype.name} KV pool on the CPU needs the CPU attention "
-                             "backend's native kernels and tensor_parallel = 1" +
+                             "backend's native kernels" +
                              ("" if ok else f" (native kernels unavailable: {why})"))
         return dtype, jnp.dtype(jnp.int8 if dtype == jnp.int8 else jnp.uint16)
 
@@ -329,7 +335,8 @@ class ModelRunner:
         kv = (self.tp.kv_spec, self.tp.kv_spec)
         return jax.shard_map(
             functools.partial(fn, reduce=functools.partial(jax.lax.psum, axis_name=AXIS)),
-            mesh=self.tp.mesh, in_specs=(self._param_specs, kv, P(), P(), P()),
+            mesh=self.tp.mesh, in_specs=(self._param_specs, kv, P(), P(),
+                                         P() if self.lora is None else self.lora.specs),
             out_specs=(kv, P(), P()), check_vma=False)
 
     @classmethod

@@ -21,11 +21,23 @@ of N, and with them the query heads of each group (a padded head's weights are z
 o_proj rows too, so it adds exactly 0), and the intermediate size likewise. SmolLM2's
 3 KV heads at N = 2 become 4 (12 query heads), so one device does a third more attention
 work than it needs; vLLM replicates KV heads instead when N is a multiple of their count.
+
+The CPU's packed weights (model/quant.py: int8, q4_1) are quantized per device, each
+shard a valid packed matrix of its local shape (`quantized_placer`): a column shard packs
+its own output columns (padded to the format's group inside the shard), a row shard needs
+its input rows in whole 32-value blocks, so with `in_multiple` = 32 the intermediate size
+is padded to a multiple of 32 N and the KV heads until a device's query features are a
+multiple of 32 (zero weights again: they add exactly 0). A block never straddles two
+devices, so the quantized values are exactly those one device holds at N = 1. The global
+array of a row split is the devices' packed shards side by side: it means nothing
+outside `shard_map`, where the native kernels (XLA FFI calls) see one device's shard.
+The LoRA slots split the same way (model/adapter_slots.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -33,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
+from .quant import QUANTIZED
 
 AXIS = "tp"
 # Device-layout leaves split by output features (q/k/v, gate/up) and by input features
@@ -50,6 +63,9 @@ class TensorParallel:
     """A replica's devices, as a 1-D mesh over the "tp" axis."""
 
     devices: tuple[Any, ...]
+    # Input features of a row-split matrix (o, down) per device are padded to a multiple of
+    # this (32 for the native packed weights' blocks; only where N > 1).
+    in_multiple: int = 1
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -66,10 +82,14 @@ class TensorParallel:
     # -- shapes --------------------------------------------------------------------------
     def padded_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` with KV heads, query heads and the intermediate size padded to
-        multiples of N (unchanged when they divide)."""
-        kvh = _round_up(cfg.num_kv_heads, self.n)
-        return dataclasses.replace(cfg, num_kv_heads=kvh, num_heads=kvh * cfg.q_per_kv,
-                                   intermediate_size=_round_up(cfg.intermediate_size, self.n))
+        multiples of N, and (N > 1) each device's query features and intermediate ones
+        to multiples of `in_multiple` (unchanged when they divide)."""
+        m = self.in_multiple if self.n > 1 else 1
+        unit = m // math.gcd(m, cfg.q_per_kv * cfg.head_dim)  # KV heads a device rounds to
+        kvh = _round_up(cfg.num_kv_heads, self.n * unit)
+        return dataclasses.replace(
+            cfg, num_kv_heads=kvh, num_heads=kvh * cfg.q_per_kv,
+            intermediate_size=_round_up(cfg.intermediate_size, self.n * m))
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """What one device computes: its share of the padded heads and features."""
@@ -119,9 +139,12 @@ class TensorParallel:
 
         def spec(path, leaf) -> P:
             name = next((k.key for k in reversed(path) if hasattr(k, "key")), "")
+            if isinstance(leaf, QUANTIZED):  # a spec per array of the packed matrix
+                return jax.tree.map(lambda a: quantized_spec(name, np.ndim(a)), leaf)
             return spec_for(name, len(leaf.shape), feature_major=feature_major)
 
-        return jax.tree_util.tree_map_with_path(spec, params)
+        return jax.tree_util.tree_map_with_path(
+            spec, params, is_leaf=lambda x: isinstance(x, QUANTIZED))
 
     def placer(self, *, feature_major: bool):
         """`prepare_params(place=...)`: each host tensor goes straight to its shards,
@@ -130,6 +153,34 @@ class TensorParallel:
         def place(name: str, host: np.ndarray):
             spec = spec_for(name, host.ndim, feature_major=feature_major)
             return jax.device_put(host, self.sharding(spec))
+
+        return place
+
+    def quantized_placer(self):
+        """`prepare_params(place_quantized=...)`: `quantize` (model/quant.py) of a
+        projection's f32 [layers, out, in] one device's shard at a time (a column split
+        by `out`, a row split by `in`), each shard put on its device; the head (and any
+        leaf not split) quantized whole and replicated. The matrix's `out` is a shard's."""
+
+        def place(name: str, w: np.ndarray, quantize):
+            axis = _QUANT_AXIS.get(name)
+            parts = [w] if axis is None or self.n == 1 else np.split(w, self.n, axis=axis)
+            mats = [quantize(p) for p in parts]
+
+            def whole(*pieces):
+                if np.ndim(pieces[0]) == 0:  # the matrix's `layer`: on the mesh too
+                    return jax.device_put(pieces[0], self.replicated)
+                host = [np.asarray(p) for p in pieces]
+                sharding = self.sharding(quantized_spec(name, host[0].ndim))
+                if len(host) == 1:
+                    return jax.device_put(host[0], sharding)
+                size = host[0].shape[axis]
+                shape = list(host[0].shape)
+                shape[axis] *= len(host)
+                return jax.make_array_from_callback(
+                    tuple(shape), sharding, lambda idx: host[(idx[axis].start or 0) // size])
+
+            return jax.tree.map(whole, *mats)
 
         return place
 
@@ -158,6 +209,19 @@ def spec_for(name: str, ndim: int, *, feature_major: bool) -> P:
     parts: list = [None] * ndim
     parts[axis] = AXIS
     return P(*parts)
+
+
+# The packed matrices' arrays (Int8Matrix q [layers, out, in] and scale [layers, out, in /
+# 32], BlockMatrix q [layers, out / 8, in / 32, bytes]): a column split by axis 1, a row
+# split by axis 2 (the devices' own packed shards side by side).
+_QUANT_AXIS = {**{name: 1 for name in COLUMN_SPLIT}, **{name: 2 for name in ROW_SPLIT}}
+
+
+def quantized_spec(name: str, ndim: int) -> P:
+    axis = _QUANT_AXIS.get(name)
+    if axis is None or ndim <= axis:
+        return P()
+    return P(*(AXIS if i == axis else None for i in range(ndim)))
 
 
 def interleave(parts: Sequence[np.ndarray], shards: int, axis: int = -1) -> np.ndarray:

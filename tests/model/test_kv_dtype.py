@@ -98,14 +98,17 @@ def test_where_nothing_reads_the_pool_it_is_refused(name):
                     **KW)
 
 
-def test_auto_is_bf16_beside_int8_weights():
-    """The CPU's default preset (int8 weights, the native kernels there) gets the bf16
-    pool; f32 weights keep the exact f32 pool, and "float32" opts out."""
+def test_auto_is_int8_beside_native_weights():
+    """The CPU's default preset (int8 weights, the native kernels there) gets the int8
+    pool, and so do q4_1 weights; f32 weights keep the exact f32 pool, and "float32" or
+    "bfloat16" opt out."""
     def pool(**kw):
         return ModelRunner(TINY, PARAMS, **KW, **kw).describe()["kv_cache_dtype"]
-    assert pool(quantization="int8") == "bfloat16"
-    assert pool(quantization="auto") == "bfloat16"
+    assert pool(quantization="int8") == "int8"
+    assert pool(quantization="auto") == "int8"
+    assert pool(quantization="q4_1") == "int8"
     assert pool(quantization="none") == "float32"
     assert pool(quantization="int8", kv_cache_dtype="float32") == "float32"
+    assert pool(quantization="int8", kv_cache_dtype="bfloat16") == "bfloat16"
     # the jnp attention reads no bit patterns: int8 weights beside it keep the f32 pool
     assert pool(quantization="int8", attention_options={"native": False}) == "float32"
