@@ -46,6 +46,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the target). True: admitted behind that prefill whenever no replica would serve it
     # sooner, for load generators that count a 429 as a failed request (GuideLLM's).
     queue_prefix_followers: bool = False
+    # The door judges a predicted TTFT times how late first tokens have come against
+    # their predictions (the p90 of the last 64, within 1-1.5) once 16 are known; before
+    # that, times this: a fresh server's predictions rest on warm-up figures and came
+    # ~2x early in a first burst (docs/benchmarks.md, "The defaults"). 1: trust them.
+    ttft_factor_uncalibrated: float = 1.5
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
     # The inter-token latency target (0: off). With one, every step is planned so that its

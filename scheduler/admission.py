@@ -137,13 +137,17 @@ class Admission:
 
     def ttft_factor(self) -> float:
         """How much later than predicted first tokens come: the recent measured /
-        predicted TTFT at its 90th percentile, within [1, 1.5]; 1 until 16 are known.
+        predicted TTFT at its 90th percentile, within [1, 1.5]; until 16 are known,
+        `ttft_factor_uncalibrated` (1.5).
         The door judges a newcomer's TTFT at its prediction times this, so that the
         admitted meet the target at the p95, not the p50 (a step-time prediction right
-        at the median is late one step in ten, and a TTFT spans several steps)."""
+        at the median is late one step in ten, and a TTFT spans several steps). A fresh
+        server's predictions rest on warm-up figures (dummy contexts, a cold cache) and
+        came ~2x early in a first burst (docs/benchmarks.md, "The defaults"): until its
+        first tokens show how late they come, the door assumes the latest it allows."""
         ratios = self._ttft_ratios
         if len(ratios) < _TTFT_MIN_SAMPLES:
-            return 1.0
+            return max(1.0, self.config.ttft_factor_uncalibrated)
         ranked = sorted(ratios)
         q = ranked[min(len(ranked) - 1, int(_TTFT_QUANTILE * len(ranked)))]
         return min(_TTFT_MAX_FACTOR, max(1.0, q))
@@ -279,7 +283,11 @@ class Admission:
             # speed, not the chunks an ITL target leaves it): judged on the wait alone.
             idle = tokens * (sched.prefill_token_s or 0.0) + step
             ttft = wait + own if idle <= target else wait
-        if ttft * self.ttft_factor() > self._limit(target, pending):
+        # A follower is judged on the target itself, whatever the slack: what is ahead of
+        # it is one prompt's prefill in progress, not a bunch about to share steps.
+        follower = bool(prefix_wait and sched.prefill_token_s)
+        limit = target if follower else self._limit(target, pending)
+        if ttft * self.ttft_factor() > limit:
             retry = self.ticket(self._drain_time(ttft - target, pending))
             # "itl_target": the wait is for a running slot while the ITL target holds the
             # running set below `max_running`.
