@@ -27,7 +27,7 @@ async def test_schemathesis_finds_nothing(tmp_path):
     async with serve(cfg, max_context=256) as srv:
         cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{srv.url}/openapi.json",
                "-H", "Authorization: Bearer admin",
-               "--checks", CHECKS, "--max-examples", "40", "--seed", "1", "--no-color",
+               "--checks", CHECKS, "--max-examples", "25", "--seed", "1", "--no-color",
                "--generation-database", "none", "--workers", "2", "--request-timeout", "10"]
         with trio.fail_after(300):
             done = await trio.run_process(cmd, check=False, capture_stdout=True,

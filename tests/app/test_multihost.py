@@ -41,7 +41,7 @@ prefill_buckets = [64]
 mixed_decode_buckets = [4]
 max_prefill_seqs = 2
 dtype = "float32"
-quantization = "none"  # TP=1 would pick int8 on this CPU; TP=2 serves f32
+quantization = "none"  # f32 at every degree: the f32 oracle across processes
 warmup = "full"
 tensor_parallel = {tp}
 [pools.scheduler]

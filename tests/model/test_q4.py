@@ -203,7 +203,7 @@ def test_runner_with_q4_1_weights_is_close_to_f32(feature_major):
     assert q4.params["head_int8"].format == Q8_0
     for rows in (1, 4):
         a, b = _step_logits(q4, rows), _step_logits(f32, rows)
-        # int8 activations, the int8 lm_head and the bf16 pool: a few % of the largest logit
+        # int8 activations, the int8 lm_head and the int8 pool: a few % of the largest logit
         np.testing.assert_allclose(a, b, atol=0.05 * np.abs(b).max())
         top5 = np.argsort(b, -1)[:, -5:]
         assert all(a[i].argmax() in top5[i] for i in range(rows))
