@@ -14,6 +14,13 @@ def pytest_report_header(config):
     return native_targets.header()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The same line at the end, where a quiet run (`make test`, CI) shows it."""
+    from tests import native_targets
+
+    terminalreporter.write_line(native_targets.header())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def batch_store_dir(tmp_path_factory):
     """Servers in tests (and the ones they spawn) keep their batch store here, never in
