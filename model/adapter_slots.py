@@ -52,7 +52,7 @@ from pallas_kernels.native import LORA_BLOCK, fast, lora_delta, pack_lora_b
 
 from .config import ModelConfig
 from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter
-from .tp import AXIS
+from .tp import split_spec as _split
 
 COLUMN_GROUPS = ("qkv", "gate_up")  # split by output columns under TP; "o", "down" by input
 
@@ -231,11 +231,6 @@ class LoraSlots:
             raise ValueError(f"adapter slot {slot} out of range [0, {self.slots})")
         self.compile()
         self.arrays = self._write(self.arrays, np.int32(slot), self._host_arrays(name))
-
-
-def _split(ndim: int, axis: int | None) -> P:
-    """The PartitionSpec of an `ndim` array split along `axis` over "tp" (None: replicated)."""
-    return P() if axis is None else P(*(AXIS if i == axis else None for i in range(ndim)))
 
 
 def _is_shape(x) -> bool:

@@ -21,6 +21,9 @@ The KV pool is one array for K and one for V, `[layers * pages, page_size, kv_he
 head_dim]`, carried through the layers and written in place (the caller donates it);
 layer l's pages start at row `l * pages`, so attention reads a layer through a page
 offset, never a copy.
+
+(About 355 lines: the forward pass and `prepare_params`, which lays out the weights it
+reads, change together.)
 """
 
 from __future__ import annotations

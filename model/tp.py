@@ -219,9 +219,12 @@ _QUANT_AXIS = {**{name: 1 for name in COLUMN_SPLIT}, **{name: 2 for name in ROW_
 
 def quantized_spec(name: str, ndim: int) -> P:
     axis = _QUANT_AXIS.get(name)
-    if axis is None or ndim <= axis:
-        return P()
-    return P(*(AXIS if i == axis else None for i in range(ndim)))
+    return split_spec(ndim, axis if axis is not None and axis < ndim else None)
+
+
+def split_spec(ndim: int, axis: int | None) -> P:
+    """The PartitionSpec of an `ndim` array split along `axis` over "tp" (None: replicated)."""
+    return P() if axis is None else P(*(AXIS if i == axis else None for i in range(ndim)))
 
 
 def interleave(parts: Sequence[np.ndarray], shards: int, axis: int = -1) -> np.ndarray:

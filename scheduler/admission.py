@@ -270,7 +270,8 @@ class Admission:
         prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
         step = sched.step_estimate(sched.num_running - sched.batch_running, 0)
         own = prefill + step
-        if prefix_wait and sched.prefill_token_s:
+        follower = bool(prefix_wait and sched.prefill_token_s)
+        if follower:
             # It cannot start before the prefix it shares with a running prefill is in.
             ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
             alone = sched.prefill_seconds(prompt_tokens) + step
@@ -285,7 +286,6 @@ class Admission:
             ttft = wait + own if idle <= target else wait
         # A follower is judged on the target itself, whatever the slack: what is ahead of
         # it is one prompt's prefill in progress, not a bunch about to share steps.
-        follower = bool(prefix_wait and sched.prefill_token_s)
         limit = target if follower else self._limit(target, pending)
         if ttft * self.ttft_factor() > limit:
             retry = self.ticket(self._drain_time(ttft - target, pending))
