@@ -83,8 +83,12 @@ def _parser() -> argparse.ArgumentParser:
                         "computing behind it instead of refusing it until the prefix is in "
                         "(for load generators that count a 429 as a failure, GuideLLM's)")
     s.add_argument("--itl-target", type=float, metavar="S",
-                   help="plan every step within S seconds: the number of streams follows "
-                        "(default: the config's itl_target_s, 0 = off)")
+                   help="size prompt chunks beside the streams' decodes to keep their token "
+                        "gaps within S seconds where the hardware allows (default: the "
+                        "config's itl_target_s, 0.05; 0 = ITL planning off)")
+    s.add_argument("--itl-strict", action="store_true",
+                   help="hold every step to the ITL target, the number of streams "
+                        "included: it follows from the target (config: itl_strict)")
     s.add_argument("--quantization", choices=["auto", "none", "int8", "q4_1"],
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel; q4_1 the projections in Q4_1 "
@@ -175,6 +179,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, queue_prefix_followers=True)
         if getattr(args, "itl_target", None) is not None:
             sched = replace(sched, itl_target_s=args.itl_target)
+        if getattr(args, "itl_strict", False):
+            sched = replace(sched, itl_strict=True)
         pool = replace(pool, scheduler=sched)
         if getattr(args, "quantization", None):
             pool = replace(pool, quantization=args.quantization)

@@ -118,6 +118,11 @@ class _EngineCollector:
                             "The pool's TTFT target admission predicts against (0: off).")
         itl_target = gauge("itl_target_seconds",
                            "The pool's inter-token latency target (0: off).")
+        plans = counter("steps", "Steps run, by the rule that sized their prompt chunks: "
+                        "itl-target (within the ITL target), itl-derived (the decodes alone "
+                        "fill the target: the learned costs' share), ttft (a prompt about to "
+                        "miss the TTFT target), rare-question, prefill-only, decode-only, "
+                        "itl-strict, unpaced.", ("plan",))
         ttft_factor = gauge("ttft_prediction_factor",
                             "How late first tokens come against admission's predictions "
                             "(recent measured / predicted TTFT, 90th percentile, 1-1.5); "
@@ -183,6 +188,11 @@ class _EngineCollector:
             ttft_target.add_metric(lv, pool.config.scheduler.ttft_target_s)
             itl_target.add_metric(lv, pool.config.scheduler.itl_target_s)
             ttft_factor.add_metric(lv, max((s.ttft_factor for s in stats), default=1.0))
+            by_plan: Counter[str] = Counter()
+            for s in stats:
+                by_plan.update(s.step_plans)
+            for plan, n in sorted(by_plan.items()):
+                plans.add_metric(lv + [plan], n)
             _histogram(prediction, lv, PREDICTION_BUCKETS, [s.step_prediction for s in stats])
             _histogram(host, lv, HOST_BUCKETS, [s.step_host for s in stats])
             compute.add_metric(lv, sum(s.compute_s for s in stats))
@@ -202,7 +212,7 @@ class _EngineCollector:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
-                    itl_target, ttft_factor, prediction, host, compute, idle, lora_info,
+                    itl_target, plans, ttft_factor, prediction, host, compute, idle, lora_info,
                     lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 

@@ -182,7 +182,16 @@ def _counters(stats: list, app_rejections: dict, pool: Pool) -> dict[str, Any]:
         waiting=sum(s.waiting for s in stats),
         kv_in_use=sum(s.kv_pages_in_use for s in stats),
         replicas=len(stats),
+        plans=_summed(s.step_plans for s in stats),
     )
+
+
+def _summed(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, n in d.items():
+            out[k] = out.get(k, 0) + n
+    return out
 
 
 def _tenants(state: ServerState) -> list[Tenant]:
@@ -255,6 +264,8 @@ def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s:
     real_share = d("real_tokens") / d("padded_tokens") if d("padded_tokens") else None
     useful = busy * real_share if busy is not None and real_share is not None else busy
     queries = d("prefix_queries")
+    plans = {k: n - old["plans"].get(k, 0) for k, n in cur["plans"].items()}
+    planned = sum(plans.values())
     replicas = [_replica(pool, i, s, live, now, base, span, steps_since.get((pool.name, i), -1))
                 for i, s in enumerate(stats)]
     sched = pool.config.scheduler
@@ -270,7 +281,8 @@ def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s:
         output_tokens_per_s=_rate(cur["generation_tokens"], old["generation_tokens"], span),
         prompt_tokens_per_s=_rate(cur["prompt_tokens"], old["prompt_tokens"], span),
         refused_per_s=refused, shed_per_s=shed, busy_fraction=busy, useful_busy_fraction=useful,
-        replicas=replicas, series=_series(live, pool.name, now, window_s))
+        replicas=replicas, series=_series(live, pool.name, now, window_s),
+        step_plans={k: round(n / planned, 4) for k, n in plans.items() if n} if planned else {})
 
 
 def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sample | None,
@@ -282,7 +294,7 @@ def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sam
     steps = [Step(r.index, round(t - r.ended_at, 4), round(r.ended_at - r.started_at, 5),
                   len(r.decoded), sum(n for _, n in r.prefilled),
                   max(0, r.padded_tokens - r.real_tokens), len(r.preempted),
-                  r.error is not None)
+                  r.error is not None, r.why, round(r.budget_s, 5))
              for r in records]
     return ReplicaStats(i, s.alive, s.running, s.waiting, s.oldest_waiting_age_s, _kv([s]),
                         (s.busy_s - then) / span if span > 0 else None, steps, s.steps - 1,

@@ -44,6 +44,10 @@ class Step(msgspec.Struct):
     padding_tokens: int  # computed for bucket padding, not for a request
     preempted: int
     error: bool
+    # Which rule sized its prompt chunks (scheduler/policy.py, `STEP_PLANS`: "itl-target",
+    # "itl-derived", "ttft", ...) and the ITL budget it was planned within (0: none).
+    plan: str = ""
+    budget_s: float = 0.0
 
 
 class Series(msgspec.Struct):
@@ -91,6 +95,10 @@ class PoolStats(msgspec.Struct):
     useful_busy_fraction: float | None  # busy x the share of computed tokens that were real
     replicas: list[ReplicaStats]
     series: Series
+    # The share of the window's steps by the rule that sized their prompt chunks: where
+    # the ITL target held, where the decodes alone filled it (the derived budget), where
+    # a prompt about to miss the TTFT target took bigger chunks (scheduler/policy.py).
+    step_plans: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class TenantStats(msgspec.Struct):

@@ -6,10 +6,12 @@
 # its best CPU configuration as measured for issue 20 (`-np 16 -c 65536 -fa off -t NPROC`).
 # Workloads: shared-prefix (2,000-token system prompt, prefix warmed) at 16 streams, 48
 # requests; long-interference (a 6,000-token prompt among 4 short streams); one stream of
-# short prompts. Sluice runs with its default config plus SLUICE_SERVE_ARGS (e.g.
-# "--quantization int8"). WORKLOADS picks some of the three (llama.cpp 0.3.36 never
-# finishes shared-prefix here: docs/benchmarks.md). Prints one JSON line
-# (benchmarks/compare_bench.py).
+# short prompts; "polite": shared-prefix at 16 streams again, from an independent client
+# that waits out every 429 and counts TTFT from a request's first send
+# (benchmarks/polite_load.py: 48 requests after 16 of warm-up; OUT/polite-*.json). Sluice
+# runs with its default config plus SLUICE_SERVE_ARGS (e.g. "--quantization int8").
+# WORKLOADS picks some of the four (llama.cpp 0.3.36 never finishes shared-prefix under
+# `sluice bench` here: docs/benchmarks.md). Prints JSON lines (benchmarks/compare_bench.py).
 #   benchmarks/llamacpp_vs_sluice.sh OUT_DIR [PORT]
 set -eu
 cd "$(dirname "$0")/.."
@@ -53,6 +55,9 @@ bench() {  # label, then `sluice bench` flags
 }
 WORKLOADS=${WORKLOADS:-shared-prefix long-interference single}
 workloads() {  # prefix: llama / sluice
+  case " $WORKLOADS " in *" polite "*)
+    .venv/bin/python benchmarks/polite_load.py "$URL" --concurrency 16 --requests 48 \
+      --warmup-requests 16 > "$OUT/polite-$1.json";; esac
   case " $WORKLOADS " in *" shared-prefix "*)
     bench "$1-shared-prefix" --workload shared-prefix --concurrency 16 --ramp-up 20 \
       --warmup-requests 2 --requests 48;; esac
@@ -78,4 +83,7 @@ kill $LPID; wait $LPID 2>/dev/null || true
 serve_ready "$OUT" "$PORT" ${SLUICE_SERVE_ARGS:-}
 workloads sluice
 ps -o rss= -p $PID | awk '{print $1 * 1024}' > "$OUT/sluice-rss-bytes"
-.venv/bin/python benchmarks/compare_bench.py "$OUT"/llama-*.json "$OUT"/sluice-*.json
+if ls "$OUT"/llama-*.json > /dev/null 2>&1; then
+  .venv/bin/python benchmarks/compare_bench.py "$OUT"/llama-*.json "$OUT"/sluice-*.json
+fi
+if [ -f "$OUT/polite-sluice.json" ]; then cat "$OUT"/polite-llama.json "$OUT"/polite-sluice.json; fi

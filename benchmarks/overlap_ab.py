@@ -48,7 +48,7 @@ async def drive(runner, tok, overlap: bool, workload: str) -> dict:
     # decode16: prompts prefilled at the full step budget, so that all 16 decode together
     # soon (beside decodes, adaptive prefill would spread them over many steps).
     cfg = SchedulerConfig(overlap=overlap, ttft_target_s=0.0, max_waiting=256,
-                          adaptive_prefill=workload != "decode16")
+                          itl_target_s=0.0 if workload == "decode16" else 0.05)
     eng = Engine(runner, tok, cfg)
     rng = np.random.default_rng(0)
     gaps: list[float] = []

@@ -53,24 +53,32 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ttft_factor_uncalibrated: float = 1.5
     prefix_cache: bool = True
     kv_reserve_pages: int = 8  # admission keeps this many pages free for running decodes
-    # The inter-token latency target (0: off). With one, every step is planned so that its
-    # predicted duration stays within it: prompts are split into the chunks that fit beside
-    # the decodes, and a request joins the running set only while the steps still fit (so
-    # the number of streams follows from the target and their contexts, up to
-    # max_running); a request that cannot then meet ttft_target_s is refused at once
-    # (429, reason "itl_target"). See scheduler/step_cost.py.
-    itl_target_s: float = 0.0
+    # The inter-token latency target (0: ITL planning off). A step that carries prompt
+    # tokens beside running decodes is the gap between two tokens of every stream in it,
+    # so its prompt chunks are sized to a budget: this target where the decodes alone
+    # leave room under it (the seed's 50 ms), else what the learned step costs allow,
+    # decode-only step time * (1 + prefill_slowdown) (on a 2-core CPU 16 streams' decodes
+    # alone take ~50 ms: prompts must still move). A prompt that would miss ttft_target_s
+    # at that pace gets the bigger chunks its first token needs (`Scheduler._ttft_chunk`);
+    # one that cannot make the target at any pace (a long document) keeps the budget's.
+    # Each step's plan says which rule sized it (/v1/stats, the dashboard, the metric
+    # sluice_steps_total{plan}). scheduler/step_cost.py.
+    itl_target_s: float = 0.05
+    # True: every step is held to itl_target_s, the running set included: a request joins
+    # only while a step of all running decodes and a reserved prompt chunk still fits, the
+    # least urgent decodes are preempted when their contexts grow past it, and a request
+    # that cannot then meet ttft_target_s is refused at once (429, reason "itl_target").
+    # The number of streams follows from the target (docs/operations.md, "The ITL target").
+    itl_strict: bool = False
     # Overlapped scheduling: plan and launch step N+1 while step N computes, its sampled
     # tokens fed to N+1 on the device; N's tokens are committed and delivered while N+1
     # runs. Host work then leaves the computation idle only where it is longer than a
     # step. Outputs are token for token those without it. A step holding a sequence that
     # needs its last token on the host (structured output, penalties) is waited for.
     overlap: bool = True
-    # Without an ITL target: a step that carries prefill beside running decodes may take
-    # at most max(prefill_floor_s, decode-only step time * (1 + prefill_slowdown));
-    # prefill still gets min_prefill_tokens a step, so long prompts move.
-    adaptive_prefill: bool = True
-    prefill_floor_s: float = 0.05
+    # The ITL budget's share for prompts where the decodes alone fill the target: a step
+    # carrying prefill may take decode-only step time * (1 + this); at least
+    # min_prefill_tokens a step, so long prompts move.
     prefill_slowdown: float = 0.4
     min_prefill_tokens: int = 16
     short_prefill_tokens: int = 256  # a prompt of at most this many uncached tokens: whole
@@ -88,6 +96,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # admitted only while this fraction of the KV pages stays free.
     batch_slowdown: float = 0.1
     batch_kv_reserve: float = 0.2
+
+    @property
+    def strict_itl_s(self) -> float:
+        """The ITL target every step is held to, the running set included (`itl_strict`),
+        or 0: the target then sizes prompt chunks only."""
+        return self.itl_target_s if self.itl_strict else 0.0
 
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

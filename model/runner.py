@@ -354,7 +354,7 @@ class ModelRunner:
         calibrates itself")."""
         mixed = list(pool.mixed_decode_buckets)
         beside = [m for m in mixed if m]  # (0: prompt-only steps)
-        if pool.scheduler.itl_target_s > 0 and beside:
+        if pool.scheduler.strict_itl_s > 0 and beside:
             mixed = sorted(set(mixed) | {d for d in pool.decode_buckets if d >= min(beside)})
         return cls(config, params, eos_token_ids=eos_token_ids, page_size=pool.page_size,
                    kv_cache_bytes=pool.kv_cache_bytes, max_context=pool.max_context,
@@ -364,7 +364,7 @@ class ModelRunner:
                    attention=None if pool.attention == "auto" else pool.attention,
                    adapter_slots=pool.max_loras, max_lora_rank=pool.max_lora_rank,
                    max_cpu_loras=pool.max_cpu_loras,
-                   time_all_shapes=pool.scheduler.itl_target_s > 0,
+                   time_all_shapes=pool.scheduler.strict_itl_s > 0,
                    quantization=pool.quantization, kv_cache_dtype=pool.kv_cache_dtype,
                    devices=devices)
 

@@ -308,7 +308,7 @@ class Admission:
         back finds the same work ahead (its first token, counted from its first try, only
         comes later), and one that does not retry (GuideLLM) fails. Only a real prefill
         backlog is worth refusing."""
-        if self._slots_ahead() + pending > 0 or self.config.itl_target_s > 0:
+        if self._slots_ahead() + pending > 0 or self.config.strict_itl_s > 0:
             # (Under an ITL target a prompt's prefill gets only the room a step leaves
             # beside the decodes, whatever arrived with it: the slack's case does not arise.)
             return target

@@ -135,6 +135,9 @@ class EngineStats:
     # What `PageAllocator.audit` found wrong in the KV books against the live page
     # tables, when the read asked for it (`Engine.stats(audit=True)`; empty: consistent).
     kv_audit: list[str] = field(default_factory=list)
+    # Steps planned so far by the rule that sized their prompt chunks (`Batch.why`,
+    # `policy.STEP_PLANS`): the ITL target, the derived budget, a TTFT about to be missed.
+    step_plans: dict[str, int] = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

@@ -70,6 +70,20 @@ _ARRIVAL_WINDOW_S = 10.0
 _GAP_ALPHA = 0.1
 
 
+# Why a step carries the prompt tokens it does (`Batch.why`), one rule each:
+STEP_PLANS = (
+    "decode-only",    # no prompt chunk: nothing waited, or no room
+    "prefill-only",   # no stream decoding: no token gap at stake, chunks as big as allowed
+    "itl-target",     # chunks fill the ITL target that the decodes alone leave room under
+    "itl-derived",    # the decodes alone fill the target: chunks get the share the learned
+                      # step costs derive (decode step * prefill_slowdown)
+    "ttft",           # a chunk grew past the budget: its prompt would miss the TTFT target
+    "rare-question",  # a short prompt whole: such prompts come too rarely to matter to ITL
+    "itl-strict",     # every step held to the target, the running set too (`itl_strict`)
+    "unpaced",        # no budget: ITL planning off, or no step measured yet
+)
+
+
 @dataclass(slots=True)
 class Batch:
     """One step's plan and the sequences behind its chunks (``seqs[i]`` owns chunk i)."""
@@ -87,6 +101,10 @@ class Batch:
     # (and maybe admitted again) since then has nothing to commit from this step.
     epochs: list[int] = field(default_factory=list)
     registered: list[int] = field(default_factory=list)  # pages it offered the prefix cache
+    # Which rule sized the step's prompt chunks (`STEP_PLANS`) and the ITL budget it was
+    # planned within (0: none): /v1/stats and the dashboard show them step by step.
+    why: str = "decode-only"
+    budget_s: float = 0.0
 
     def predicted(self, cost: StepCostModel) -> float:
         """The step-cost model's estimate of this step's seconds."""
@@ -121,15 +139,16 @@ class Scheduler(ItlPlanning):
         # Every running sequence must be able to decode in the same step: no starvation.
         self.max_running = max(1, cap)
         # Prefill beside decodes is capped by measured step cost (the engine feeds it).
-        self.cost = StepCostModel(itl_target_s=0.0 if self.static else config.itl_target_s,
-                                  prefill_floor_s=config.prefill_floor_s,
+        self.cost = StepCostModel(itl_target_s=0.0 if self.static else config.strict_itl_s,
+                                  itl_budget_s=0.0 if self.static else config.itl_target_s,
                                   prefill_slowdown=config.prefill_slowdown,
                                   min_prefill_tokens=config.min_prefill_tokens,
                                   shapes=limits.shapes, block_q=limits.block_q)
-        self.adaptive_prefill = config.adaptive_prefill and not self.static
-        # With an ITL target every step is planned to fit it (`_fit_decodes`, `_room`,
-        # `_decode_slot`): the running set follows from the target and the contexts.
+        # With a strict ITL target every step is planned to fit it (`_fit_decodes`,
+        # `_room`, `_decode_slot`): the running set follows from the target and the
+        # contexts. 0: the target (if any) sizes prompt chunks only (`itl_budget`).
         self.itl_target = self.cost.itl_target_s
+        self.plans: dict[str, int] = dict.fromkeys(STEP_PLANS, 0)  # steps by `Batch.why`
         self.answer_tokens = PRIOR_ANSWER_TOKENS  # running average of finished answers
         self.question_sizes: deque[int] = deque(maxlen=64)  # `ItlPlanning.note_question`
         self.recent_ttfts: deque[float] = deque(maxlen=16)  # `ItlPlanning.note_ttft`
@@ -257,6 +276,7 @@ class Scheduler(ItlPlanning):
             kv_pages_cached=pages.num_cached, kv_pages_free=pages.num_free,
             prefix_cache_queries_tokens=pages.query_tokens,
             prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions,
+            step_plans=dict(self.plans),
             adapters=self.adapters.stats(),
             kv_audit=pages.audit(s.kv_pages for s in self.running.values()) if audit else [])
 
@@ -289,26 +309,37 @@ class Scheduler(ItlPlanning):
             return bg if any(not s.batch for s in batch.seqs[num_decode:]) else 0
 
         budget = min(cfg.max_step_tokens - num_decode, lim.max_prefill_tokens)
-        # Beside decodes, a long prompt's chunk is capped by the measured step cost (so the
-        # streams keep their pace); a short prompt is prefilled whole, for its TTFT, or in
-        # as many such chunks as its TTFT target leaves room for (`_short_chunk`).
+        # The ITL budget, the trade-off between the streams' token gaps and the waiting
+        # prompts' first tokens: beside decodes, prompt chunks fill what is left of the
+        # ITL target, or where the decodes alone fill it, the share the learned costs
+        # derive (`StepCostModel.itl_budget`): the pace. A prompt that would miss its TTFT
+        # target at that pace takes bigger chunks (`_short_chunk`, `_deadline_chunk`).
         soft = budget
         pace = None
-        if self.adaptive_prefill and not self.itl_target:
-            pace = self.cost.prefill_budget(num_decode)
-            if pace is not None:
-                soft = min(budget, pace)
+        itl_budget = None if self.itl_target else self.cost.itl_budget(num_decode, batch.work)
+        if itl_budget is not None:
+            pace = self.cost.prefill_budget(num_decode, batch.work)
+            soft = min(budget, pace)
+            batch.budget_s = itl_budget[0]
         short = cfg.short_prefill_tokens
         split = pace is not None and cfg.split_short_prefill
+        reasons: set[str] = set()  # chunks sized past the pace, and why
 
         def limit(seq: Sequence, new: bool = False) -> int:
             rest = seq.num_tokens - seq.num_computed_tokens
-            # A long prompt's tail stays at the pace: it is no question whose first token
-            # a whole prefill would bring sooner (256 tokens after 6,000 made a 0.5 s step).
+            # A long prompt's tail stays at the pace (256 tokens after 6,000 made a 0.5 s
+            # step), unless the pace would make it miss a TTFT target it can still meet.
             if rest > short or seq.num_tokens - seq.num_cached_tokens > short:
-                n = min(budget, soft)
+                grown = None if pace is None or seq.batch else self._deadline_chunk(
+                    seq, rest, itl_budget[2], pace)
+                n = min(budget, soft if grown is None else max(soft, grown))
+                if grown is not None:
+                    reasons.add("ttft")
             elif split and not seq.batch:
-                n = min(budget, self._short_chunk(seq, rest, num_decode, pace, new))
+                chunk, why = self._short_chunk(seq, rest, num_decode, pace, new)
+                n = min(budget, chunk)
+                if why:
+                    reasons.add(why)
             else:
                 n = budget
             room = batch_prefill() if seq.batch else None
@@ -361,7 +392,25 @@ class Scheduler(ItlPlanning):
 
         if not batch.seqs and not batch.plan.copies:
             return None
+        batch.why = self._why(batch, itl_budget, reasons)
+        self.plans[batch.why] += 1
         return batch
+
+    def _why(self, batch: Batch, itl_budget: tuple[float, str] | None,
+             reasons: set[str]) -> str:
+        """The rule that sized the step's prompt chunks (`STEP_PLANS`)."""
+        if len(batch.seqs) == batch.num_decode:
+            return "decode-only"
+        if batch.num_decode == 0:
+            return "prefill-only"
+        if self.itl_target:
+            return "itl-strict"
+        if itl_budget is None:
+            return "unpaced"
+        for why in ("ttft", "rare-question"):
+            if why in reasons:
+                return why
+        return itl_budget[1]
 
     def _schedule_decodes(self, order: list[Sequence], batch: Batch,
                           interactive: bool) -> None:
@@ -417,7 +466,7 @@ class Scheduler(ItlPlanning):
             batch.work += pos + 1
 
     def _short_chunk(self, seq: Sequence, rest: int, num_decode: int, pace: int,
-                     new: bool = False) -> int:
+                     new: bool = False) -> tuple[int, str]:
         """The next chunk of a short prompt (`rest` tokens left, `new`: just admitted)
         joining `num_decode` running streams: the prompt is spread over as many steps as
         its TTFT target leaves room for, each chunk at least `pace` (a long prompt's chunk
@@ -435,11 +484,13 @@ class Scheduler(ItlPlanning):
         p95 of the gaps then never sees those stalls, and spreading would only put ~5
         gaps at the pace's length where one was (4 streams, a question every 0.5 s:
         ITL p95 25 ms whole against 49 spread; docs/benchmarks.md, "Whole while
-        questions are rare")."""
+        questions are rare").
+
+        Returns the chunk and why it is past the pace (`STEP_PLANS`; "": it is not)."""
         cost, target = self.cost, self.config.ttft_target_s
         decode, per_token = cost.decode_time(num_decode), cost.prefill_token_s
         if target <= 0 or not decode or not per_token or rest <= pace:
-            return rest
+            return rest, ""
         now, arrivals = self.clock(), self._short_arrivals
         if new:  # judged once, as it joins; a spread prompt stays spread
             arrivals.append(now)
@@ -447,16 +498,39 @@ class Scheduler(ItlPlanning):
                 arrivals.popleft()
             gap = max(decode, self._gap_s or 0.0)
             if len(arrivals) / _ARRIVAL_WINDOW_S * gap <= self.config.short_prefill_stall_share:
-                return rest
+                return rest, "rare-question"
         # Planned to finish by a share of the target: the step in flight comes first, and
         # predicted step times err on a busy host.
         ahead = now - seq.arrived_at + decode + rest * per_token
         steps = min(int((target * _TTFT_PLAN_SHARE - ahead) / decode), rest // max(1, pace))
         if steps <= 1:
-            return rest
+            return rest, "ttft"
         if seq.predicted_ttft is not None:  # the door's calibration compares to the plan
             seq.predicted_ttft = max(seq.predicted_ttft, ahead + steps * decode)
-        return -(-rest // steps)
+        chunk = -(-rest // steps)
+        return chunk, "ttft" if chunk > pace else ""
+
+    def _deadline_chunk(self, seq: Sequence, rest: int, decode: float,
+                        pace: int) -> int | None:
+        """The next chunk of a prompt longer than `short_prefill_tokens` (`rest` tokens
+        left) when the pace would bring its first token after the TTFT target (less the
+        plan's margin, `_TTFT_PLAN_SHARE`) and bigger chunks still would not: spread over
+        as many steps as the time left allows, each carrying the decodes. None: the pace
+        will do, or no pace would (a document too long for the target at any chunk size
+        keeps the budget's chunks: growing them would stretch the streams' gaps for a
+        first token that is late anyway). Each step re-plans from the time then left.
+        `decode`: the decodes' own predicted seconds a step."""
+        target, per_token = self.config.ttft_target_s, self.cost.prefill_token_s
+        if target <= 0 or not decode or not per_token or rest <= pace:
+            return None
+        waited = self.clock() - seq.arrived_at
+        left = target * _TTFT_PLAN_SHARE - waited  # planned, with the margin
+        if -(-rest // pace) * (decode + pace * per_token) <= left:
+            return None  # on time at the pace
+        if rest * per_token + decode > target - waited:
+            return None  # cannot make the target itself, even in one step
+        steps = max(1, int((left - rest * per_token) / decode + 1e-9))
+        return max(pace, -(-rest // steps))
 
     def _schedule_prefill(self, seq: Sequence, batch: Batch, budget: int) -> int:
         start = seq.num_computed_tokens

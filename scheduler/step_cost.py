@@ -2,13 +2,17 @@
 
 Two uses:
 
-- **The ITL target** (`itl_target_s` > 0): every step is planned so that its *predicted*
-  duration stays within the target (`predict`, `fits`), because a step's duration is the
-  gap between two tokens of every stream in it. The policy asks how many prompt tokens fit
-  beside the decodes, and whether one more running sequence still leaves a step that fits.
-- **Without a target**, a softer bound keeps prefill from slowing the streams: a step that
-  carries prompt tokens beside decodes may take at most ``max(prefill_floor_s, decode_time
-  * (1 + prefill_slowdown))`` (`prefill_budget`), at least `min_prefill_tokens` a step.
+- **The ITL budget** (`itl_budget_s`, the config's `itl_target_s`): a step that carries
+  prompt tokens beside decodes may take at most ``max(itl_budget_s, decode_time * (1 +
+  prefill_slowdown))`` (`itl_budget`, `prefill_budget`), at least `min_prefill_tokens` a
+  step: the target where the decodes alone leave room under it, else a budget derived
+  from what the decodes are measured to cost (prompts must move even where the hardware
+  cannot hold the target with them).
+- **A strict ITL target** (`itl_target_s` > 0 here: the config's `itl_strict`): every
+  step is planned so that its *predicted* duration stays within the target (`predict`,
+  `fits`), because a step's duration is the gap between two tokens of every stream in it.
+  The policy asks how many prompt tokens fit beside the decodes, and whether one more
+  running sequence still leaves a step that fits.
 
 A step runs in a compiled *shape* (decode rows, prefill tokens): the smallest one that
 holds it, so its cost moves in steps, not per token; the runner says which shapes exist
@@ -100,11 +104,11 @@ class _ShapeFit:
 
 
 class StepCostModel:
-    def __init__(self, *, itl_target_s: float = 0.0, prefill_floor_s: float = 0.05,
+    def __init__(self, *, itl_target_s: float = 0.0, itl_budget_s: float = 0.05,
                  prefill_slowdown: float = 0.4, min_prefill_tokens: int = 16,
                  shapes: tuple[tuple[int, int], ...] = (), block_q: int = 1) -> None:
-        self.itl_target_s = itl_target_s  # 0: no target
-        self.prefill_floor_s = prefill_floor_s
+        self.itl_target_s = itl_target_s  # the strict target (0: none)
+        self.itl_budget_s = itl_budget_s  # 0: prompt chunks not paced
         self.prefill_slowdown = prefill_slowdown
         self.min_prefill_tokens = min_prefill_tokens
         self.block_q = max(1, block_q)
@@ -304,15 +308,31 @@ class StepCostModel:
                 hi = mid - 1
         return lo * bq
 
-    def prefill_budget(self, num_decode: int) -> int | None:
-        """Without an ITL target: prefill tokens a step with `num_decode` decodes may carry
-        (None: no limit)."""
-        if num_decode == 0:
+    def itl_budget(self, num_decode: int,
+                   work: float | None = None) -> tuple[float, str, float] | None:
+        """Seconds a step with `num_decode` decodes (reading `work` keys; None: as usual)
+        may take with prompt chunks beside them, which rule set it, and the decodes' own
+        predicted seconds: ``"itl-target"``, the target, where the decodes alone take at
+        most 1 / (1 + prefill_slowdown) of it; else ``"itl-derived"``, the decode step *
+        (1 + prefill_slowdown): the target yields a share to prompts. None: no budget (no
+        decodes, no target, or nothing measured yet)."""
+        if num_decode == 0 or self.itl_budget_s <= 0:
             return None
-        base = self.decode_time(num_decode)
-        if base is None:
+        base = self.predict(num_decode, 0, work) or self.decode_time(num_decode)
+        if not base:
             return None  # nothing measured (a runner that reports no times): no limit
+        derived = base * (1.0 + self.prefill_slowdown)
+        if self.itl_budget_s >= derived:
+            return self.itl_budget_s, "itl-target", base
+        return derived, "itl-derived", base
+
+    def prefill_budget(self, num_decode: int, work: float | None = None) -> int | None:
+        """Prompt tokens a step with `num_decode` decodes may carry within `itl_budget`
+        (None: no limit)."""
+        budget = self.itl_budget(num_decode, work)
+        if budget is None:
+            return None
         if not self.prefill_token_s:
             return self.min_prefill_tokens
-        allowed = max(self.prefill_floor_s, base * (1.0 + self.prefill_slowdown)) - base
+        allowed = budget[0] - budget[2]
         return max(self.min_prefill_tokens, int(allowed / self.prefill_token_s + 1e-6))

@@ -36,6 +36,10 @@ class StepRecord:
     # The computation's idle gap before this step: host work it waited for, the engine's
     # and other tasks' on the event loop (overlapped: only what did not fit in a step).
     idle_s: float = 0.0
+    # Which rule sized its prompt chunks (`policy.STEP_PLANS`) and the ITL budget it was
+    # planned within (0: none).
+    why: str = ""
+    budget_s: float = 0.0
 
 
 # Measured / predicted step time: how far the step-cost model's estimate (what admission
@@ -99,7 +103,8 @@ class StepLog:
             prefilled=tuple((c.seq_id, len(c.token_ids)) for c in plan.chunks[nd:]),
             real_tokens=real_tokens, padded_tokens=padded_tokens, copies=len(plan.copies),
             preempted=tuple(batch.preempted), error=error, predicted_s=predicted_s,
-            compute_s=compute_s, host_s=host_s, idle_s=idle_s)
+            compute_s=compute_s, host_s=host_s, idle_s=idle_s, why=batch.why,
+            budget_s=batch.budget_s)
         self.records.append(rec)
         self.steps += 1
         self.busy_s += ended_at - started_at

@@ -205,9 +205,9 @@ def sweep_parser() -> argparse.ArgumentParser:
            '"static:--scheduling static" (repeatable; one server at a time, measured once '
            'every step shape has compiled)')
     a("--itl-targets", type=_seconds, metavar="S,S,...",
-      help="spawn one server per ITL target (`sluice serve --itl-target S SERVE_ARGS`; 0 = "
-           "off), e.g. 0,0.1,0.15,0.2,0.3, and chart latency, throughput and refusals "
-           "against the target")
+      help="spawn one server per strict ITL target (`sluice serve --itl-target S "
+           "--itl-strict SERVE_ARGS`; 0 = off), e.g. 0,0.1,0.15,0.2,0.3, and chart latency, "
+           "throughput and refusals against the target")
     a("--serve-args", default="", metavar="ARGS",
       help="with --itl-targets: more `sluice serve` flags for each of those servers")
     a("--workload", choices=("shared-prefix", "mixed"), default="shared-prefix")

@@ -107,7 +107,8 @@ async def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_labels(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for t in args.itl_targets or ():  # one spawned server per ITL target
-        args.spawn.append((itl_label(t), f"--itl-target {t:g} {args.serve_args}".strip()))
+        strict = " --itl-strict" if t else ""
+        args.spawn.append((itl_label(t), f"--itl-target {t:g}{strict} {args.serve_args}".strip()))
     labels = [label for label, _ in args.targets] + [label for label, _ in args.spawn]
     if not labels:
         p.error("give at least one LABEL=URL target or --spawn LABEL:ARGS")

@@ -14,6 +14,18 @@
     running: "#1f5fa8", waiting: "#c2410c", kv: "#7c3aed", tps: "#0f766e",
     p50: "#1f5fa8", p95: "#c2410c", slo: "#b42318",
     decode: "#1f5fa8", prefill: "#ea8a2e", padding: "#9aa5b1", time: "#1c2230",
+    budget: "#b42318",
+  };
+  // The rules that size a step's prompt chunks (scheduler/policy.py, STEP_PLANS), in words.
+  const PLANS = {
+    "itl-target": "within the ITL target",
+    "itl-derived": "decodes fill the ITL target: the learned costs' share",
+    "ttft": "grown for a first token due",
+    "rare-question": "a rare question whole",
+    "prefill-only": "prompts only",
+    "decode-only": "decodes only",
+    "itl-strict": "strict ITL target",
+    "unpaced": "unpaced",
   };
   const pools = new Map();     // name -> view
   let paused = false;
@@ -97,6 +109,7 @@
         { label: "prefill tokens", fill: COLORS.prefill, stroke: COLORS.prefill, paths: bars, points: { show: false } },
         { label: "decode rows", fill: COLORS.decode, stroke: COLORS.decode, paths: bars, points: { show: false } },
         line("step time (ms)", COLORS.time, { scale: "ms", width: 1 }),
+        line("ITL budget (ms)", COLORS.budget, { scale: "ms", width: 1, dash: [4, 3] }),
       ], {
         height: 170,
         scales: { ms: { range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.1] } },
@@ -206,6 +219,7 @@
       $(".replica-pick", view.root).hidden = false;
     }
     drawSteps(view);
+    renderPlans(view, p);
     renderReplicas(view, p);
   }
 
@@ -216,9 +230,18 @@
     const prefill = steps.map((s) => s.decode_rows + s.prefill_tokens);
     const padding = steps.map((s) => s.decode_rows + s.prefill_tokens + s.padding_tokens);
     const ms = steps.map((s) => +(s.duration_s * 1000).toFixed(1));
-    view.steps.setData([x, padding, prefill, decode, ms]);
+    const budget = steps.map((s) => (s.budget_s ? +(s.budget_s * 1000).toFixed(1) : null));
+    view.steps.setData([x, padding, prefill, decode, ms, budget]);
     const chart = $('[data-chart="steps"]', view.root);
     chart.dataset.lastStep = x.length ? String(x[x.length - 1]) : "";
+  }
+
+  function renderPlans(view, p) {
+    const el = $(".step-plans", view.root);
+    const shares = Object.entries(p.step_plans || {}).sort((a, b) => b[1] - a[1]);
+    el.dataset.plans = shares.map(([k, v]) => `${k}=${v}`).join(",");
+    el.textContent = "Why the steps were built so: " + (shares.length
+      ? shares.map(([k, v]) => `${PLANS[k] || k} ${fmt.pct(v)}`).join(" · ") : "–");
   }
 
   function renderReplicas(view, p) {

@@ -42,7 +42,7 @@ async def test_adapters_load_and_unload_under_16_streams(embedded_gguf, embedded
                       warmup="full", max_loras=2, max_lora_rank=16,
                       adapters=[AdapterConfig("support", str(tmp_path / "support"))],
                       scheduler=SchedulerConfig(max_running=16, max_step_tokens=144,
-                                                ttft_target_s=0, adaptive_prefill=False))
+                                                ttft_target_s=0, itl_target_s=0))
     settings = Settings(server=ServerConfig(port=0, admin_api_key_sha256=hashlib.sha256(
         ADMIN.encode()).hexdigest()), pools=[pool])
     async with real_server(settings) as (url, state):

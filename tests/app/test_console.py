@@ -84,6 +84,10 @@ async def test_stats_report_what_ran_and_agree_with_metrics():
         assert rep["steps"] and rep["last_step_index"] == rep["steps"][-1]["index"]
         assert sum(s["decode_rows"] for s in rep["steps"]) > 0
         assert all(s["duration_s"] >= 0 and s["ago_s"] >= 0 for s in rep["steps"])
+        # every step says which rule sized its prompt chunks; the window's shares sum to 1
+        from scheduler.policy import STEP_PLANS
+        assert all(s["plan"] in STEP_PLANS for s in rep["steps"])
+        assert pool["step_plans"] and abs(sum(pool["step_plans"].values()) - 1) < 1e-3
         assert body["tenants"] == [{"name": "anonymous", "in_flight": 0, "max_concurrency": None,
                                     "tokens_per_min": body["tenants"][0]["tokens_per_min"],
                                     "quota_tokens_per_min": None, "priority": 0}]
@@ -94,7 +98,10 @@ async def test_stats_report_what_ran_and_agree_with_metrics():
                           r'pool="test"\} (\S+)', metrics)
         assert count and float(count.group(1)) == 6
         assert 'sluice:ttft_target_seconds{model="fake-model",pool="test"} 1.0' in metrics
-        assert 'sluice:itl_target_seconds{model="fake-model",pool="test"} 0.0' in metrics
+        assert 'sluice:itl_target_seconds{model="fake-model",pool="test"} 0.05' in metrics
+        planned = re.findall(r'sluice:steps_total\{model="fake-model",plan="([a-z-]+)",'
+                             r'pool="test"\} (\S+)', metrics)
+        assert planned and sum(float(n) for _, n in planned) > 0
         for family in ("step_time_prediction_ratio", "step_host_seconds"):
             assert f'sluice:{family}_bucket{{le="+Inf",model="fake-model",pool="test"}}' \
                 in metrics

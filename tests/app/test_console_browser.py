@@ -4,7 +4,8 @@
   tokens, tokens/s and cached prompt tokens; Stop mid-answer ends the request on the
   server and every KV page goes back to the pool;
 - the dashboard, while a load generator runs, shows non-zero running and waiting
-  sequences and TTFT figures, and its strip chart of steps moves;
+  sequences and TTFT figures, its strip chart of steps moves, and it says why the steps
+  were built so (the ITL budget's rules, as shares of the steps);
 - neither page logs a console error or an uncaught exception.
 """
 
@@ -147,8 +148,12 @@ def _drive_dashboard(url: str, errors: list[str]) -> dict:
         page.wait_for_function(
             f"""() => Number(document.querySelector('[data-chart="steps"]')
                 .dataset.lastStep) > {before} + 3""", timeout=30_000)
+        page.wait_for_function("""() => document.querySelector('section.pool .step-plans')
+            .dataset.plans !== ''""", timeout=30_000)
         return {"tiles": {t: pool.locator(f'[data-stat="{t}"] dd').inner_text()
                           for t in ("running", "waiting", "ttft_p95", "itl_p95")},
+                "plans": pool.locator(".step-plans").get_attribute("data-plans"),
+                "plans_text": pool.locator(".step-plans").inner_text(),
                 "canvases": pool.locator("canvas").count(),
                 "status": page.inner_text("#dash-status")}
 
@@ -165,5 +170,10 @@ async def test_dashboard_shows_the_load_as_it_runs(embedded_gguf):
         assert out["canvases"] >= 6, out  # every chart drawn
         assert "ready" in out["status"], out
         assert all(v != "–" for v in out["tiles"].values()), out
+        # why the steps were built so: the rules' shares of the window's steps, in words
+        from scheduler.policy import STEP_PLANS
+        plans = dict(kv.split("=") for kv in out["plans"].split(","))
+        assert set(plans) <= set(STEP_PLANS) and abs(sum(map(float, plans.values())) - 1) < 0.01
+        assert "%" in out["plans_text"], out
         await _wait_empty(state, timeout=60)
         assert errors == []

@@ -14,7 +14,7 @@ def _pool(itl: float) -> PoolConfig:
     return PoolConfig(decode_buckets=[1, 4, 8, 16], mixed_decode_buckets=[4, 16],
                       prefill_buckets=[32, 64], page_size=8, kv_cache_bytes=1 << 20,
                       max_context=512, quantization="none", kv_cache_dtype="float32",
-                      scheduler=SchedulerConfig(itl_target_s=itl))
+                      scheduler=SchedulerConfig(itl_target_s=itl, itl_strict=True))
 
 
 def test_an_itl_target_compiles_every_decode_bucket_beside_the_chunks():

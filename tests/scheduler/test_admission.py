@@ -364,7 +364,7 @@ def test_under_an_itl_target_the_target_itself_refuses_and_idle_speed_says_too_l
     # chunks: 1.8 s in all. With no ITL target the slack (3x) would let it in; under one,
     # the target refuses it.
     sched, clock = FakeQueries(waiting_tokens=30, prefill_token_s=0.01, chunked=2.0), FakeClock()
-    cfg = SchedulerConfig(ttft_target_s=1.0, ttft_slack=3.0, itl_target_s=0.15)
+    cfg = SchedulerConfig(ttft_target_s=1.0, ttft_slack=3.0, itl_target_s=0.15, itl_strict=True)
     adm = Admission(sched, cfg, clock, max_context=4096)
     with pytest.raises(Overloaded):
         adm.check_ttft(60)

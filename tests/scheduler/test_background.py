@@ -11,7 +11,7 @@ from .sim import Sim
 from .test_admission import door
 
 CFG = SchedulerConfig(max_running=16, max_step_tokens=256, kv_reserve_pages=0,
-                      adaptive_prefill=False)
+                      itl_target_s=0)
 
 
 def bucketed_costs(sim: Sim) -> None:

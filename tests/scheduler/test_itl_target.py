@@ -36,15 +36,16 @@ def trained(cost: StepCostModel) -> None:
 class Driver:
     """The engine loop's order (schedule, step, observe, commit, finish) on a fake clock."""
 
-    def __init__(self, itl: float = 0.1, **cfg) -> None:
+    def __init__(self, itl: float = 0.1, strict: bool = True, **cfg) -> None:
         self.runner = FakeRunner(limits=LIMITS, num_pages=8192, page_size=16, max_context=8192)
-        config = SchedulerConfig(itl_target_s=itl, max_running=16, max_step_tokens=16 + 64,
-                                 **cfg)
+        config = SchedulerConfig(itl_target_s=itl, itl_strict=strict, max_running=16,
+                                 max_step_tokens=16 + 64, **cfg)
         self.sim = Sim(self.runner, config)
         self.sched = self.sim.sched
         trained(self.sched.cost)
         # (predicted, taken, running, decode rows) of every step
         self.steps: list[tuple[float, float, int, int]] = []
+        self.batches: list = []
         self.ttft: dict[int, float] = {}
 
     def step(self) -> bool:
@@ -59,6 +60,7 @@ class Driver:
         sched.observe(batch, taken, shape)
         clock.advance(taken)
         self.steps.append((predicted, taken, len(sched.running), batch.num_decode))
+        self.batches.append(batch)
         for seq, _ in sched.commit(batch, result):
             if seq.num_generated == 1:
                 self.ttft[seq.seq_id] = clock() - seq.arrived_at

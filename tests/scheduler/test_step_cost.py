@@ -8,7 +8,7 @@ from scheduler.step_cost import StepCostModel
 
 
 def model(**kw) -> StepCostModel:
-    args = dict(prefill_floor_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
+    args = dict(itl_budget_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
     args.update(kw)
     return StepCostModel(**args)
 
@@ -27,7 +27,7 @@ def test_floor_until_a_prefill_step_was_measured():
 
 
 def test_budget_keeps_the_step_within_the_slowdown_bound():
-    m = model(prefill_floor_s=0.0)
+    m = model(itl_budget_s=0.001)  # (the target below the decodes: the derived budget)
     m.observe(4, 0, 0.030)
     m.observe(4, 32, 0.030 + 32 * 0.001)  # 1 ms a prefill token
     budget = m.prefill_budget(4)
@@ -36,8 +36,8 @@ def test_budget_keeps_the_step_within_the_slowdown_bound():
     assert m.prefill_budget(4) == 12
 
 
-def test_prefill_floor_gives_more_room_when_decoding_is_fast():
-    m = model(prefill_floor_s=0.05, min_prefill_tokens=1)
+def test_the_itl_target_gives_more_room_when_decoding_is_fast():
+    m = model(itl_budget_s=0.05, min_prefill_tokens=1)
     m.observe(2, 0, 0.010)
     m.observe(2, 10, 0.020)  # 1 ms a token
     assert m.prefill_budget(2) == 40  # 50 ms target - 10 ms decode
@@ -73,7 +73,7 @@ def _one_stream(**cfg_kw):
     cost = sim.sched.cost
     cost.observe(1, 0, 0.030)
     cost.observe(1, 10, 0.040)
-    cost.prefill_floor_s = 0.0
+    cost.itl_budget_s = 0.001  # below the decodes: the derived budget
     assert cost.prefill_budget(1) == 12  # 30 ms * 0.4 / 1 ms = 12 tokens
     return sim
 
@@ -85,7 +85,8 @@ def _chunks_of(sim, seq) -> list[int]:
 
 def test_policy_caps_long_prompts_beside_decodes_and_spreads_short_ones_over_the_ttft():
     sim = _one_stream()
-    long = sim.submit(range(100, 400))
+    # 1,000 tokens at 1 ms each cannot make the 1 s target at any chunk size: the pace.
+    long = sim.submit(range(100, 1100))
     short = sim.submit(range(500, 530))
     for _ in range(4):
         batch = sim.step()
@@ -94,6 +95,18 @@ def test_policy_caps_long_prompts_beside_decodes_and_spreads_short_ones_over_the
         assert sizes.get(long.seq_id, 0) <= 12
     # 30 tokens with plenty of the 1 s target left: two chunks of at least the pace (12).
     assert _chunks_of(sim, short) == [15, 15]
+    assert [b.why for b in sim.batches[1:4]] == ["ttft", "ttft", "itl-derived"]
+
+
+def test_a_long_prompt_that_the_pace_would_make_late_takes_the_chunks_its_ttft_needs():
+    """300 tokens at 1 ms each beside a 30 ms decode: at the pace (12 tokens a step) its
+    first token would come after 25 steps (1.05 s); it can still come within the plan's
+    0.6 s of the 1 s target in 10 steps of 30 tokens."""
+    sim = _one_stream()
+    mid = sim.submit(range(100, 400))
+    sim.step()
+    assert _chunks_of(sim, mid) == [30]
+    assert sim.batches[-1].why == "ttft"
 
 
 def test_a_long_prompts_tail_stays_at_the_pace():
@@ -194,7 +207,7 @@ def test_the_spread_follows_the_time_left():
 
 
 def test_warm_up_figures_stand_in_until_a_real_step_replaces_them():
-    m = StepCostModel(prefill_floor_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
+    m = StepCostModel(itl_budget_s=0.05, prefill_slowdown=0.4, min_prefill_tokens=16)
     m.seed(16, 0, 0.10)  # warm-up: a decode step of 16 rows
     m.seed(16, 256, 0.612)  # 16 rows beside 256 prompt tokens: 2 ms a token
     m.seed(0, 128, 0.30)  # ... another shape's figure joins the running average
