@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first burst after start, then the same burst a minute later, against a freshly
-# started server (default preset) once its warm-up is done: 64 polite streams at once
-# (benchmarks/burst_polite.py). SRC: another checkout to run the server from (an A/B
+# started server (default preset) once its warm-up is done: 64 polite streams at once, one
+# new ~2,000-token system prompt, 128-token answers (benchmarks/polite_load.py). SRC: another checkout to run the server from (an A/B
 # against older code); the load generator is always this one's. JSON lines in OUT/.
 # SERVE_ARGS: more `sluice serve` flags (e.g. SERVE_ARGS="--compute-nice 0").
 #   benchmarks/burst_polite.sh OUT_DIR [PORT] [SRC]
@@ -16,6 +16,7 @@ trap 'pkill -INT -f "app.cli serve --port $PORT"; wait' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"warmup_remaining_shapes":0'; do
   sleep 1
 done
-.venv/bin/python benchmarks/burst_polite.py "http://127.0.0.1:$PORT" | tee "$OUT/first.json"
+BURST="--concurrency 64 --requests 64 --warmup-requests 0 --max-tokens 128"
+.venv/bin/python benchmarks/polite_load.py "http://127.0.0.1:$PORT" $BURST | tee "$OUT/first.json"
 sleep 60
-.venv/bin/python benchmarks/burst_polite.py "http://127.0.0.1:$PORT" | tee "$OUT/second.json"
+.venv/bin/python benchmarks/polite_load.py "http://127.0.0.1:$PORT" $BURST | tee "$OUT/second.json"

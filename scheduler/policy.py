@@ -11,8 +11,13 @@
    prefill can never starve them.
 2. Chunks of prompts already being prefilled, within what is left of the step's token
    budget: ``min(max_step_tokens - decodes, limits.max_prefill_tokens)``, at most
-   `limits.max_prefill_chunk` tokens a chunk and `limits.max_prefill_seqs` chunks a step.
-   A 6,000-token prompt is thus spread over many steps, each also carrying every decode.
+   `limits.max_prefill_chunk` tokens a chunk and `limits.max_prefill_seqs` chunks a step,
+   and beside decodes within the ITL budget (`StepCostModel.itl_budget`: what
+   `itl_target_s` leaves of the step, or where the decodes alone fill it, the learned
+   costs' share): the trade between the two SLOs. A prompt the budget's chunks would
+   bring past its TTFT target takes bigger ones while it can still make it
+   (`_deadline_chunk`). A 6,000-token prompt is thus spread over many steps, each also
+   carrying every decode. Each step records which rule built it (`Batch.why`).
    A short prompt (at most `short_prefill_tokens` uncached) goes in whole, or beside decodes
    in as many such chunks as its TTFT target leaves room for, once such prompts come
    often enough that whole ones would stall too many of the streams' gaps (`_short_chunk`).
@@ -32,7 +37,7 @@
 Static mode gathers up to `static_batch_size` sequences when nothing runs, and admits no
 one else until they have all finished: the baseline continuous batching is compared to.
 
-With an ITL target (`itl_target_s`), every step that carries a decode is planned within it
+With a strict ITL target (`itl_strict`), every step that carries a decode is planned within it
 (`_fit_decodes`, `_room`, `_decode_slot`), and the queries admission reads
 (`running_capacity`, `prefill_seconds`, `prefill_backlog`) say what the target allows:
 `itl_plan.py`, a mixin of `Scheduler`.
@@ -396,7 +401,7 @@ class Scheduler(ItlPlanning):
         self.plans[batch.why] += 1
         return batch
 
-    def _why(self, batch: Batch, itl_budget: tuple[float, str] | None,
+    def _why(self, batch: Batch, itl_budget: tuple[float, str, float] | None,
              reasons: set[str]) -> str:
         """The rule that sized the step's prompt chunks (`STEP_PLANS`)."""
         if len(batch.seqs) == batch.num_decode:

@@ -312,13 +312,15 @@ class StepCostModel:
                    work: float | None = None) -> tuple[float, str, float] | None:
         """Seconds a step with `num_decode` decodes (reading `work` keys; None: as usual)
         may take with prompt chunks beside them, which rule set it, and the decodes' own
-        predicted seconds: ``"itl-target"``, the target, where the decodes alone take at
+        seconds: ``"itl-target"``, the target, where the decodes alone take at
         most 1 / (1 + prefill_slowdown) of it; else ``"itl-derived"``, the decode step *
         (1 + prefill_slowdown): the target yields a share to prompts. None: no budget (no
         decodes, no target, or nothing measured yet)."""
         if num_decode == 0 or self.itl_budget_s <= 0:
             return None
-        base = self.predict(num_decode, 0, work) or self.decode_time(num_decode)
+        # The decode-only steps of this many rows as measured lately (what the pace was
+        # tuned on: docs/benchmarks.md), else the shape's prediction at this work.
+        base = self.decode_time(num_decode) or self.predict(num_decode, 0, work)
         if not base:
             return None  # nothing measured (a runner that reports no times): no limit
         derived = base * (1.0 + self.prefill_slowdown)
