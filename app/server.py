@@ -32,6 +32,7 @@ from .door import DoorFastPath
 from .errors import APIError, error_type_for
 from .limits import PerIPLimit
 from .pools import Pool, Router
+from .priority import keep_compute_below
 from .routes import FLIGHTS_KEY, register_routes
 from .state import Phase, ServerState
 
@@ -192,6 +193,7 @@ async def run_server(
     state.metrics.batches = state.batches
     hconf = _Hyper()
     hconf.stall_s = cfg.client_stall_s
+    hconf.backlog = cfg.listen_backlog
     hconf.bind = [f"{cfg.host}:{cfg.port}"]
     hconf.graceful_timeout = 5.0  # streams were already drained; this only flushes writes
     hconf.accesslog = None
@@ -211,6 +213,7 @@ async def run_server(
                 nursery.start_soon(_watch_signals, state, nursery.cancel_scope)
             binds = await nursery.start(http)
             nursery.start_soon(state.metrics.live.run, state)  # the console's 1 s samples
+            nursery.start_soon(keep_compute_below, cfg.compute_nice)
             if on_listening:
                 on_listening(binds)
             task_status.started(binds)

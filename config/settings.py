@@ -147,6 +147,14 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Requests (streams included) one client IP may have in flight at once; more get 429
     # (app/limits.py). 0: no limit. Behind a proxy every client shares its IP: keep 0.
     max_connections_per_ip: NonNegative = 0
+    # The listen queue: connections the kernel completes before the server accepts them.
+    # A flood of new connections past it waits for a SYN retry (1 s, then 3 s) before the
+    # door can even say no. The kernel caps it at net.core.somaxconn (4096 on current Linux).
+    listen_backlog: Positive = 4096
+    # Linux: the nice value of every thread but the event loop's (the model's compute
+    # threads), so that accepting, parsing and refusing are not starved while steps hold
+    # every core (app/priority.py). 0: leave them be.
+    compute_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
 
 
 class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

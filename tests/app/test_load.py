@@ -134,3 +134,72 @@ async def test_non_streaming_clients_that_give_up_free_their_pages():
         await srv.wait_idle()
         assert srv.pages_in_use() == 0
         assert srv.pool.stats()[0].generation_tokens < 8 * 1000
+
+
+async def _raw(port: int, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One POST on a new connection (as a flood's clients come): status, headers, body."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:])}
+        # to the end of the body by its framing (the server may leave the connection open)
+        length = headers.get("content-length")
+        while (len(rest) < int(length)) if length is not None else \
+                not rest.endswith(b"0\r\n\r\n"):
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            rest += chunk
+    return int(lines[0].split()[1]), headers, rest
+
+
+async def test_a_flood_of_300_new_connections_beside_16_streams():
+    """300 requests at once, each on its own connection, while 16 streams decode (the
+    default scheduler config): no 5xx, every 429 says when to come back, every admitted
+    one streams to [DONE], and every page is back in the pool afterwards."""
+    results: list[tuple[int, dict[str, str], bytes]] = []
+    async with serve(settings(max_running=16), step_delay_s=0.01) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        streaming = trio.Event()
+
+        async def stream_one(i: int) -> None:
+            body = msgspec.json.encode({"model": MODEL, "max_tokens": 200, "stream": True,
+                                        "messages": [{"role": "user", "content": f"s{i}"}]})
+            results.append(await _raw(port, body))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(stream_one, i)
+            while srv.pool.stats()[0].running < 16:
+                await trio.sleep(0.01)
+            streaming.set()
+            body = msgspec.json.encode({"model": MODEL, "max_tokens": 8, "stream": True,
+                                        "messages": [{"role": "user", "content": "flood"}]})
+
+            async def flood_one() -> None:
+                results.append(await _raw(port, body))
+
+            async with trio.open_nursery() as flood:
+                for _ in range(300):
+                    flood.start_soon(flood_one)
+        await srv.wait_idle(30)
+        assert srv.pages_in_use() == 0 and not srv.state.flights
+        assert srv.pool.admitting == 0
+
+    statuses = [s for s, _, _ in results]
+    assert len(statuses) == 316 and not [s for s in statuses if s >= 500], statuses
+    assert set(statuses) <= {200, 429} and statuses.count(429) > 0
+    for status, headers, rest in results:
+        if status == 429:
+            assert int(headers["retry-after-ms"]) >= 1 and int(headers["retry-after"]) >= 1
+            assert b"rate_limit_error" in rest
+        else:
+            assert b"data: [DONE]" in rest

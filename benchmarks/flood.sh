@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The door under a flood (benchmarks/flood.py): a freshly started server (default preset
+# plus SERVE_ARGS) streaming to 16 polite clients, then FLOOD requests at once on new
+# connections, /health probed before and during. SRC: another checkout to run the server
+# from (an A/B against older code); the load generator is always this one's. JSON in
+# OUT/flood.json.
+#   FLOOD=300 benchmarks/flood.sh OUT_DIR [PORT] [SRC]
+#   FLOOD=64 SERVE_ARGS="--max-waiting 8" benchmarks/flood.sh OUT_DIR   (a small queue bound)
+set -eu
+cd "$(dirname "$0")/.."
+HERE=$PWD
+OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-18971}; SRC=${3:-$PWD}
+mkdir -p "$OUT"
+(cd "$SRC" && SLUICE_DATA_DIR="$OUT/store" PYTHONPATH="$SRC" "$HERE/.venv/bin/python" -m app.cli \
+  serve --port "$PORT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1) &
+trap 'pkill -INT -f "app.cli serve --port $PORT"; wait' EXIT
+until curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"warmup_remaining_shapes":0'; do
+  sleep 1
+done
+.venv/bin/python benchmarks/flood.py "http://127.0.0.1:$PORT" --flood "${FLOOD:-300}" \
+  | tee "$OUT/flood.json"
