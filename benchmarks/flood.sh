@@ -8,14 +8,9 @@
 #   FLOOD=64 SERVE_ARGS="--max-waiting 8" benchmarks/flood.sh OUT_DIR   (a small queue bound)
 set -eu
 cd "$(dirname "$0")/.."
-HERE=$PWD
 OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-18971}; SRC=${3:-$PWD}
 mkdir -p "$OUT"
-(cd "$SRC" && SLUICE_DATA_DIR="$OUT/store" PYTHONPATH="$SRC" "$HERE/.venv/bin/python" -m app.cli \
-  serve --port "$PORT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1) &
-trap 'pkill -INT -f "app.cli serve --port $PORT"; wait' EXIT
-until curl -sf "http://127.0.0.1:$PORT/health" | grep -q '"warmup_remaining_shapes":0'; do
-  sleep 1
-done
+. benchmarks/serve_ready.sh
+serve_from "$SRC" "$OUT" "$PORT" ${SERVE_ARGS:-}
 .venv/bin/python benchmarks/flood.py "http://127.0.0.1:$PORT" --flood "${FLOOD:-300}" \
   | tee "$OUT/flood.json"

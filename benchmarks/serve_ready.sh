@@ -16,3 +16,16 @@ serve_ready() {
     sleep 2
   done
 }
+
+# `serve_from SRC OUT PORT [serve flags...]`: the same from another checkout SRC (an A/B
+# against older code: its code, this checkout's venv), stopped when the script exits.
+serve_from() {
+  local src=$1 out=$2 port=$3 here=$PWD
+  shift 3
+  (cd "$src" && SLUICE_DATA_DIR="$out/store" PYTHONPATH="$src" "$here/.venv/bin/python" \
+    -m app.cli serve --port "$port" "$@" > "$out/serve.log" 2>&1) &
+  trap "pkill -INT -f 'app.cli serve --port $port'; wait" EXIT
+  until curl -sf "http://127.0.0.1:$port/health" | grep -q '"warmup_remaining_shapes":0'; do
+    sleep 1
+  done
+}
