@@ -11,7 +11,8 @@ Module map (read in this order):
 - `policy`: `Scheduler.schedule()`, the per-iteration plan; preemption by recompute; the
   narrow queries (counts, cost estimates, cache hit rate) everything else reads.
 - `step_cost`: `StepCostModel`, step times learned per compiled shape and context.
-- `itl_plan`: planning every step within the ITL target (a mixin of `Scheduler`).
+- `itl_plan`: planning every step within a strict ITL target (a mixin of `Scheduler`).
+- `chunk_sizing`: prompt chunk sizes beside the decodes, and which rule built a step (a mixin).
 - `admission`: `Admission`, the door: queue bounds, predicted TTFT, Retry-After.
 - `output`: `OutputStream`, incremental text, stop strings, coalescing.
 - `step_log`: `StepRecord`s and the step totals behind `EngineStats`.

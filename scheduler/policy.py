@@ -43,9 +43,10 @@ With a strict ITL target (`itl_strict`), every step that carries a decode is pla
 `itl_plan.py`, a mixin of `Scheduler`.
 
 Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
-to ~680 lines: the whole per-iteration policy and the queries admission reads of it, read
-in one place; the arithmetic of the batch share, of adapter residency, of step costs and
-the ITL planning live in background.py, adapters.py, step_cost.py and itl_plan.py.)
+to ~660 lines: the whole per-iteration policy and the queries admission reads of it, read
+in one place; the arithmetic of the batch share, of adapter residency, of step costs, of
+prompt chunk sizes and the strict ITL planning live in background.py, adapters.py,
+step_cost.py, chunk_sizing.py and itl_plan.py.)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from config.settings import SchedulerConfig
 
 from .adapters import AdapterSlots
 from .background import BackgroundShare
+from .chunk_sizing import STEP_PLANS, ChunkSizing
 from .fairness import FairQueue
 from .itl_plan import PRIOR_ANSWER_TOKENS, ItlPlanning
 from .pages import PageAllocator
@@ -66,27 +68,8 @@ from .protocol import SampledToken, StepLimits, StepPlan, StepResult
 from .request import Phase, Sequence
 from .step_cost import StepCostModel, chunk_work
 
-# The share of the TTFT target a short prompt's chunks are planned to fit in
-# (`Scheduler._short_chunk`); the rest absorbs mispredicted step times.
-_TTFT_PLAN_SHARE = 0.6
-# Seconds of short-prompt arrivals `_short_chunk` counts to judge how often they come,
-# and the weight of each step in the mean token gap it compares them with.
-_ARRIVAL_WINDOW_S = 10.0
+# The weight of each step in the mean token gap `_short_chunk` compares arrivals with.
 _GAP_ALPHA = 0.1
-
-
-# Why a step carries the prompt tokens it does (`Batch.why`), one rule each:
-STEP_PLANS = (
-    "decode-only",    # no prompt chunk: nothing waited, or no room
-    "prefill-only",   # no stream decoding: no token gap at stake, chunks as big as allowed
-    "itl-target",     # chunks fill the ITL target that the decodes alone leave room under
-    "itl-derived",    # the decodes alone fill the target: chunks get the share the learned
-                      # step costs derive (decode step * prefill_slowdown)
-    "ttft",           # a chunk grew past the budget: its prompt would miss the TTFT target
-    "rare-question",  # a short prompt whole: such prompts come too rarely to matter to ITL
-    "itl-strict",     # every step held to the target, the running set too (`itl_strict`)
-    "unpaced",        # no budget: ITL planning off, or no step measured yet
-)
 
 
 @dataclass(slots=True)
@@ -116,7 +99,7 @@ class Batch:
         return cost.predict(self.num_decode, self.prefill_padded, self.work)
 
 
-class Scheduler(ItlPlanning):
+class Scheduler(ChunkSizing, ItlPlanning):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -401,22 +384,6 @@ class Scheduler(ItlPlanning):
         self.plans[batch.why] += 1
         return batch
 
-    def _why(self, batch: Batch, itl_budget: tuple[float, str, float] | None,
-             reasons: set[str]) -> str:
-        """The rule that sized the step's prompt chunks (`STEP_PLANS`)."""
-        if len(batch.seqs) == batch.num_decode:
-            return "decode-only"
-        if batch.num_decode == 0:
-            return "prefill-only"
-        if self.itl_target:
-            return "itl-strict"
-        if itl_budget is None:
-            return "unpaced"
-        for why in ("ttft", "rare-question"):
-            if why in reasons:
-                return why
-        return itl_budget[1]
-
     def _schedule_decodes(self, order: list[Sequence], batch: Batch,
                           interactive: bool) -> None:
         pages = self.pages
@@ -469,73 +436,6 @@ class Scheduler(ItlPlanning):
             chunks.append(seq.chunk(pos, 1))
             seqs.append(seq)
             batch.work += pos + 1
-
-    def _short_chunk(self, seq: Sequence, rest: int, num_decode: int, pace: int,
-                     new: bool = False) -> tuple[int, str]:
-        """The next chunk of a short prompt (`rest` tokens left, `new`: just admitted)
-        joining `num_decode` running streams: the prompt is spread over as many steps as
-        its TTFT target leaves room for, each chunk at least `pace` (a long prompt's chunk
-        beside these decodes), so that it lengthens the streams' token gaps as little as
-        its own first token allows. Why: a 72-token question after a cached 2,000-token
-        system prompt, prefilled whole beside 16 streams on the 2-core CPU, made their gap
-        ~0.3 s against ~0.07 (docs/benchmarks.md, "Short prompts spread over the TTFT
-        target").
-
-        Whole when the target is off or the costs are not measured yet; whole again once
-        the request has waited too long to spread it (each step re-plans the rest from
-        the time then left); and whole while such prompts arrive rarely enough that one
-        long gap each stays within `short_prefill_stall_share` of the streams' gaps (their
-        rate times the gap the streams have lately seen, a long row's walk in it): a
-        p95 of the gaps then never sees those stalls, and spreading would only put ~5
-        gaps at the pace's length where one was (4 streams, a question every 0.5 s:
-        ITL p95 25 ms whole against 49 spread; docs/benchmarks.md, "Whole while
-        questions are rare").
-
-        Returns the chunk and why it is past the pace (`STEP_PLANS`; "": it is not)."""
-        cost, target = self.cost, self.config.ttft_target_s
-        decode, per_token = cost.decode_time(num_decode), cost.prefill_token_s
-        if target <= 0 or not decode or not per_token or rest <= pace:
-            return rest, ""
-        now, arrivals = self.clock(), self._short_arrivals
-        if new:  # judged once, as it joins; a spread prompt stays spread
-            arrivals.append(now)
-            while arrivals and arrivals[0] < now - _ARRIVAL_WINDOW_S:
-                arrivals.popleft()
-            gap = max(decode, self._gap_s or 0.0)
-            if len(arrivals) / _ARRIVAL_WINDOW_S * gap <= self.config.short_prefill_stall_share:
-                return rest, "rare-question"
-        # Planned to finish by a share of the target: the step in flight comes first, and
-        # predicted step times err on a busy host.
-        ahead = now - seq.arrived_at + decode + rest * per_token
-        steps = min(int((target * _TTFT_PLAN_SHARE - ahead) / decode), rest // max(1, pace))
-        if steps <= 1:
-            return rest, "ttft"
-        if seq.predicted_ttft is not None:  # the door's calibration compares to the plan
-            seq.predicted_ttft = max(seq.predicted_ttft, ahead + steps * decode)
-        chunk = -(-rest // steps)
-        return chunk, "ttft" if chunk > pace else ""
-
-    def _deadline_chunk(self, seq: Sequence, rest: int, decode: float,
-                        pace: int) -> int | None:
-        """The next chunk of a prompt longer than `short_prefill_tokens` (`rest` tokens
-        left) when the pace would bring its first token after the TTFT target (less the
-        plan's margin, `_TTFT_PLAN_SHARE`) and bigger chunks still would not: spread over
-        as many steps as the time left allows, each carrying the decodes. None: the pace
-        will do, or no pace would (a document too long for the target at any chunk size
-        keeps the budget's chunks: growing them would stretch the streams' gaps for a
-        first token that is late anyway). Each step re-plans from the time then left.
-        `decode`: the decodes' own predicted seconds a step."""
-        target, per_token = self.config.ttft_target_s, self.cost.prefill_token_s
-        if target <= 0 or not decode or not per_token or rest <= pace:
-            return None
-        waited = self.clock() - seq.arrived_at
-        left = target * _TTFT_PLAN_SHARE - waited  # planned, with the margin
-        if -(-rest // pace) * (decode + pace * per_token) <= left:
-            return None  # on time at the pace
-        if rest * per_token + decode > target - waited:
-            return None  # cannot make the target itself, even in one step
-        steps = max(1, int((left - rest * per_token) / decode + 1e-9))
-        return max(pace, -(-rest // steps))
 
     def _schedule_prefill(self, seq: Sequence, batch: Batch, budget: int) -> int:
         start = seq.num_computed_tokens
