@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pallas_kernels.native  # the CPU's native kernel, built ahead of the first serve
+	$(PY) -m cpu_kernels.native  # the CPU's native kernel, built ahead of the first serve
 	touch $(STAMP)
 
 install: $(STAMP)

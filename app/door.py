@@ -4,7 +4,7 @@ in the ASGI layer, before Quart builds a request, a context and a response for i
 Why: a refusal is only worth giving fast. 64 requests arriving at once on open
 connections took 120-260 ms (p50) to be refused by an idle server, each ~2-3 ms of
 Quart's request and response machinery and our handlers on the one event loop, against
-50-60 ms on a bare ASGI app under hypercorn with the same client (docs/benchmarks.md,
+50-60 ms on a bare ASGI app under hypercorn with the same client (docs/history/benchmarks-log.md,
 "Issue 16: a strict door, and refusals answered before Quart"). Here a refusal costs reading the body, checking the key,
 decoding the body and asking the pools' precheck: what `completions.admit` does before
 it would tokenize anything, and nothing else.

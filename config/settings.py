@@ -185,7 +185,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # smallest compiled shape that holds it. Compiled: each decode bucket alone, and each
     # prefill bucket beside each of `mixed_decode_buckets` decodes (0: prompt-only steps).
     # Each shape costs ~2 s of compile and ~27 MB of host memory on the CPU; the
-    # padding a coarser set costs is measured in docs/benchmarks.md. Steady state never
+    # padding a coarser set costs is measured in docs/history/benchmarks-log.md. Steady state never
     # compiles.
     decode_buckets: Annotated[list[Positive], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1, 4, 8, 16]
@@ -209,7 +209,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # builds, else none; "none": the weights as loaded (f32 on the CPU). "q4_1": the
     # projections in llama.cpp's Q4_1 blocks (a Q4_1 GGUF's own; others quantized at
     # load) times activations rounded to int8 per block of 32, the lm_head int8: half the
-    # weight bytes and integer products (CPUs with AVX2; docs/benchmarks.md has its
+    # weight bytes and integer products (CPUs with AVX2; docs/history/benchmarks-log.md has its
     # accuracy against f32).
     quantization: Literal["auto", "none", "int8", "q4_1"] = "auto"
     # What the KV pool stores: "auto" the model's dtype (f32 on the CPU, bf16 on GPUs);

@@ -10,7 +10,7 @@ two plain matmuls (no transposes in the step):
 
 On the CPU, where the native kernels build, a group is a `NativeLora` instead: A as
 feature-major above, one B for all its targets in blocks of 16 output columns [layers,
-slots, blocks, R, 16] (`pallas_kernels.native.pack_lora_b`), multiplied by the CPU
+slots, blocks, R, 16] (`cpu_kernels.native.pack_lora_b`), multiplied by the CPU
 backend's kernel (csrc/lora_delta.cc), which reads each token's own slot only and adds
 the delta in place; stored in bf16 when the runner's base weights are int8 (their kernel
 rounds activations to bf16 too), else in the runner's dtype.
@@ -48,7 +48,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.native import LORA_BLOCK, fast, lora_delta, pack_lora_b
+from cpu_kernels.native import LORA_BLOCK, fast, lora_delta, pack_lora_b
 
 from .config import ModelConfig
 from .lora import GROUPS, LoraAdapter, group_shapes, load_peft_adapter

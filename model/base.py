@@ -86,7 +86,8 @@ def resolve_dtype(dtype=None, *, default: str = "float32") -> np.dtype:
     """A dtype name (or dtype) as a numpy dtype; bfloat16 through ml_dtypes, which JAX
     uses too (numpy has none of its own). None means `default`. "auto" means the serving
     dtype of the platform JAX runs on: bfloat16 on accelerators, float32 on the CPU
-    (XLA:CPU runs bf16 matrix-vector work 10-20x slower than f32; docs/benchmarks.md)."""
+    (XLA:CPU runs bf16 matrix-vector work 10-20x slower than f32;
+    docs/history/benchmarks-log.md)."""
     if dtype is None:
         dtype = default
     if isinstance(dtype, str):

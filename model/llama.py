@@ -13,7 +13,7 @@ attention is grouped, into two calls of the attention backend per layer:
 Layers are a `lax.scan`: the compiled step holds one layer's code, attention included,
 whatever the depth, so a shape compiles in a second or two and its executable stays small
 (unrolled, each of SmolLM2's 30 layers cost ~0.2-0.5 s of compile and ~6 MB of host
-memory per shape; docs/benchmarks.md). Weights are stacked per layer, except on the CPU
+memory per shape; docs/history/benchmarks-log.md). Weights are stacked per layer, except on the CPU
 the MLP's, kept per layer behind a switch (`_per_layer`). On a GPU every layer's weights
 stay per layer and the loop is unrolled: XLA:GPU copied each layer's slice of a stacked
 weight before its matmul (an H200 8B decode step: 17.3 ms scanned, 10.3 ms unrolled).
@@ -161,8 +161,8 @@ def _per_layer(weights, i, fn, *args):
     a matmul. Per-layer weights (a tuple of dicts) are indexed by a Python `i` when the
     loop is unrolled (the GPU layout, `prepare_params(unrolled=True)`), else go through a
     switch whose branches multiply by one layer's arrays directly (the CPU's MLP, 75% of
-    a layer's bytes, `prepare_params(switched_mlp=True)`: docs/benchmarks.md has the step
-    times and memory of each)."""
+    a layer's bytes, `prepare_params(switched_mlp=True)`: docs/history/benchmarks-log.md
+    has the step times and memory of each)."""
     if isinstance(weights, dict):  # quantized weights are told their layer, not sliced
         return fn(jax.tree.map(lambda w: w.at_layer(i) if isinstance(w, QUANTIZED) else w[i],
                                weights, is_leaf=lambda w: isinstance(w, QUANTIZED)), *args)

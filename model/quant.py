@@ -1,10 +1,10 @@
 """int8 weights for the CPU backend: the layers' projections and the lm_head in 32-value
-blocks, multiplied by the native kernel (`pallas_kernels/native.py`, csrc/q8_linear.cc).
+blocks, multiplied by the native kernel (`cpu_kernels/native.py`, csrc/q8_linear.cc).
 
 What it is for. On the CPU a step of a few token rows is bound by reading the weights,
 and int8 weights are a quarter of f32's bytes; XLA:CPU cannot use them itself (its int8
 dot is slow at few rows, and a dequantization inside the jit is materialised: slower than
-f32, docs/benchmarks.md). The kernel dequantizes each block in registers and multiplies
+f32, docs/history/benchmarks-log.md). The kernel dequantizes each block in registers and multiplies
 in bf16 dot products, so a decode step reads 134 MB of weights instead of 538 MB.
 
 How. A weight matrix (out, in) is cut into blocks of 32 input values; each block keeps
@@ -67,7 +67,7 @@ def native_layout() -> int:
     """The block order the native kernel built here packs and reads (the build says so,
     csrc/q8_linear.cc `sluice_q8_layout`): 1 ([32 k][16 columns]) for its AVX2 path, else
     0 ([16 columns][32 k]); 0 where no native build loads."""
-    from pallas_kernels import native
+    from cpu_kernels import native
 
     return native.load().sluice_q8_layout() if native.available()[0] else 0
 
@@ -246,13 +246,13 @@ def linear(x, w, *, feature_major: bool):
     `Int8Matrix` or `BlockMatrix` runs its native kernel (its `layer`), a float array as it
     is."""
     if isinstance(w, BlockMatrix):
-        from pallas_kernels.native import q4_linear
+        from cpu_kernels.native import q4_linear
 
         return q4_linear(x, w.q, w.layer, feature_major=feature_major, n=w.n,
                          format=w.format).astype(x.dtype)
     if not isinstance(w, Int8Matrix):
         return w @ x if feature_major else x @ w
-    from pallas_kernels.native import q8_linear
+    from cpu_kernels.native import q8_linear
 
     return q8_linear(x, w.q, w.scale, w.layer, feature_major=feature_major,
                      n=w.n, layout=w.layout).astype(x.dtype)

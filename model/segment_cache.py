@@ -4,7 +4,7 @@ tokens, cached.
 Every request of a customer carries the same ~2,000-token system prompt. The KV cache
 reads it once (scheduler/pages.py), but before this the server still tokenized it for
 every request: 9 ms of BPE on the event loop here, while the rest of a refused or
-admitted request's handling costs ~2 ms (docs/benchmarks.md, "Issue 16: a door that
+admitted request's handling costs ~2 ms (docs/history/benchmarks-log.md, "Issue 16: a door that
 calibrates itself").
 
 A chat template renders each message between special tokens (`<|im_start|>system\\n ...

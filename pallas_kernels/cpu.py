@@ -57,13 +57,13 @@ class CpuBackend(AttentionBackend):
                  min_prefix_rows: int | None = None,
                  min_prefix_rows_several: int | None = None) -> None:
         super().__init__(pool)
-        # The native kernels (csrc/decode_attention.cc, csrc/lane_attention.cc): None =
+        # The native kernels (cpu_kernels/csrc/decode_attention.cc, lane_attention.cc): None =
         # where they build fast (or the pool is bf16 bits, which only they read) and the
         # pool is f32 or bf16 bits (otherwise the jnp cascade).
         # bf16 bit patterns and int8 rows with their scale: the native kernels only
         native_only = np.dtype(pool.dtype) in (np.uint16, np.int8)
         if native is None:
-            from .native import available, fast
+            from cpu_kernels.native import available, fast
 
             native = (available() if native_only else fast())[0]
         self.native = bool(native) and np.dtype(pool.dtype) in (np.float32, np.uint16, np.int8) \
@@ -75,7 +75,7 @@ class CpuBackend(AttentionBackend):
         # A decode group reads a shared prefix once for its rows from this many rows on;
         # fewer walk it themselves. None: from 2 rows, but from 6 where the lane walk has
         # vectors of 8 (AVX2): there the rows' own walks (split in spans over the threads)
-        # cost less up to 4 rows, about as much at 5-6, more from 8 (docs/benchmarks.md,
+        # cost less up to 4 rows, about as much at 5-6, more from 8 (docs/history/benchmarks-log.md,
         # twenty-fifth session). Where two or more prefixes have `min_prefix_rows_several`
         # rows (several adapters' copies of one system prompt; None: 4 there, else
         # `min_prefix_rows`), each is read once from that many: rows walking their
@@ -83,7 +83,7 @@ class CpuBackend(AttentionBackend):
         # decodes over four copies, 4 rows each, 77.2 -> 75.0 ms with an int8 pool,
         # 85.5 -> 82.4 with bf16).
         if min_prefix_rows is None:
-            from .native import lane_width
+            from cpu_kernels.native import lane_width
 
             eight = self.native and lane_width() == 8
             min_prefix_rows = 6 if eight else 2
@@ -224,7 +224,7 @@ class CpuBackend(AttentionBackend):
     def _attend_native(self, q, k_pool, v_pool, layer, meta: CascadeMeta):
         """Decode rows: each shared prefix once for its rows (lanes), then each row's own
         pages (`decode_attention`); prefill blocks: each block's queries in lanes."""
-        from .native import decode_attention, prefill_attention, prefix_attention
+        from cpu_kernels.native import decode_attention, prefill_attention, prefix_attention
 
         rows, queries, heads, d = q.shape
         kvh = self.pool.kv_heads

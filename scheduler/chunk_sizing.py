@@ -69,7 +69,7 @@ class ChunkSizing:
         beside these decodes), so that it lengthens the streams' token gaps as little as
         its own first token allows. Why: a 72-token question after a cached 2,000-token
         system prompt, prefilled whole beside 16 streams on the 2-core CPU, made their gap
-        ~0.3 s against ~0.07 (docs/benchmarks.md, "Short prompts spread over the TTFT
+        ~0.3 s against ~0.07 (docs/history/benchmarks-log.md, "Short prompts spread over the TTFT
         target").
 
         Whole when the target is off or the costs are not measured yet; whole again once
@@ -79,7 +79,7 @@ class ChunkSizing:
         rate times the gap the streams have lately seen, a long row's walk in it): a
         p95 of the gaps then never sees those stalls, and spreading would only put ~5
         gaps at the pace's length where one was (4 streams, a question every 0.5 s:
-        ITL p95 25 ms whole against 49 spread; docs/benchmarks.md, "Whole while
+        ITL p95 25 ms whole against 49 spread; docs/history/benchmarks-log.md, "Whole while
         questions are rare").
 
         Returns the chunk and why it is past the pace (`STEP_PLANS`; "": it is not)."""

@@ -122,7 +122,7 @@ class ItlPlanning:
         flight), one chunk a step at the ITL target's pace. More room means fewer streams:
         a running set sized for a 16-token chunk left a 100-token question 7 steps, and
         its TTFT missed 1 s at a 0.15 s target; sized for 32 tokens on this CPU it held 4
-        streams (docs/benchmarks.md, "Issue 16: a door that calibrates itself")."""
+        streams (docs/history/benchmarks-log.md, "Issue 16: a door that calibrates itself")."""
         least = self.cost.padded(self.config.min_prefill_tokens)
         return least + self.reserve_extra * self.cost.block_q
 

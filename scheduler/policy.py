@@ -42,11 +42,13 @@ With a strict ITL target (`itl_strict`), every step that carries a decode is pla
 (`running_capacity`, `prefill_seconds`, `prefill_backlog`) say what the target allows:
 `itl_plan.py`, a mixin of `Scheduler`.
 
-Only host state changes here; the runner sees the result as a `StepPlan`. (The file runs
-to ~660 lines: the whole per-iteration policy and the queries admission reads of it, read
-in one place; the arithmetic of the batch share, of adapter residency, of step costs, of
-prompt chunk sizes and the strict ITL planning live in background.py, adapters.py,
-step_cost.py, chunk_sizing.py and itl_plan.py.)
+Only host state changes here; the runner sees the result as a `StepPlan`. The policy's
+arithmetic and books live beside it, one job a file: the batch share (background.py),
+adapter residency (adapters.py), step costs (step_cost.py), prompt chunk sizes
+(chunk_sizing.py), strict ITL planning (itl_plan.py), what the engine and the door read
+(queries.py) and a step's books once planned (step_books.py: launched, commit, finish).
+(About 470 lines: the per-iteration policy, decodes, prefill chunks, admission and
+preemption, is read in one place.)
 """
 
 from __future__ import annotations
@@ -64,13 +66,11 @@ from .chunk_sizing import STEP_PLANS, ChunkSizing
 from .fairness import FairQueue
 from .itl_plan import PRIOR_ANSWER_TOKENS, ItlPlanning
 from .pages import PageAllocator
-from .protocol import SampledToken, StepLimits, StepPlan, StepResult
+from .queries import Queries
+from .protocol import StepLimits, StepPlan
 from .request import Phase, Sequence
 from .step_cost import StepCostModel, chunk_work
-
-# The weight of each step in the mean token gap `_short_chunk` compares arrivals with.
-_GAP_ALPHA = 0.1
-
+from .step_books import StepBooks
 
 @dataclass(slots=True)
 class Batch:
@@ -98,8 +98,7 @@ class Batch:
         """The step-cost model's estimate of this step's seconds."""
         return cost.predict(self.num_decode, self.prefill_padded, self.work)
 
-
-class Scheduler(ChunkSizing, ItlPlanning):
+class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -173,100 +172,6 @@ class Scheduler(ChunkSizing, ItlPlanning):
     def next_deadline(self) -> float | None:
         return self.waiting.next_deadline()
 
-    # -- queries: all the engine and `Admission` read (never `waiting`, `pages`, `cost`) --
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def waiting_tokens(self) -> int:  # tokens queued: what `max_waiting_tokens` bounds
-        return self.waiting.num_tokens
-
-    @property
-    def batch_running(self) -> int:  # batch jobs' sequences among the running
-        return sum(1 for s in self.running.values() if s.batch)
-
-    @property
-    def batch_waiting(self) -> int:
-        return self.waiting.num_waiting - self.waiting.num_interactive
-
-    @property
-    def batch_waiting_tokens(self) -> int:
-        return self.waiting.num_batch_tokens
-
-    @property
-    def waiting_uncached_tokens(self) -> int:
-        """Prompt tokens the interactive requests waiting will have to compute (the prefix
-        cache and the prompts ahead of each counted when it was queued)."""
-        return self.waiting.num_uncached
-
-    def prefix_wait_tokens(self, seq: Sequence) -> int:
-        """Prompt tokens a running prefill must still compute before `seq` can use the
-        prefix they share (a burst that carries one system prompt: the first request
-        computes it, the others wait for it, `PageAllocator.prefix_in_flight`)."""
-        if not self.config.prefix_cache:
-            return 0
-        ps, pages, most = self.pages.page_size, self.pages, 0
-        full = seq.num_prompt_tokens // ps
-        for other in self.running.values():
-            if other.phase is not Phase.PREFILL or other.cache_salt != seq.cache_salt:
-                continue
-            shared = 0
-            for i in range(min(full, other.num_prompt_tokens // ps)):
-                if pages.page_key(seq, i) != pages.page_key(other, i):
-                    break
-                shared = i + 1
-            most = max(most, shared * ps - other.num_computed_tokens)
-        return most
-
-    def expected_uncached(self, seq: Sequence) -> int:
-        """Prompt tokens `seq` would have to compute if queued now: those neither in the
-        prefix cache nor in a prompt queued or running ahead of it (at least one: the
-        last position is always computed, for its logits)."""
-        return max(1, seq.num_prompt_tokens - self.pages.expected_hits(seq, self._promised))
-
-    @property
-    def prefill_token_s(self) -> float | None:  # measured; None before a prefill step
-        return self.cost.prefill_token_s
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Share of admitted tokens the prefix cache has served so far (0 before any)."""
-        pages = self.pages
-        return pages.hit_tokens / pages.query_tokens if pages.query_tokens else 0.0
-
-    def step_estimate(self, num_decode: int, prefill_tokens: int) -> float:
-        """Expected seconds of such a step (0 for the parts not measured yet)."""
-        return self.cost.predict(num_decode, self.cost.padded(prefill_tokens))
-
-    def predict(self, batch: Batch) -> float:
-        """The step-cost model's estimate of a planned step's seconds (0: not known)."""
-        return batch.predicted(self.cost)
-
-    def kv_capacity(self) -> tuple[int, int]:
-        """(usable KV pages, page size): a longer sequence could never be admitted."""
-        return self.pages.num_usable, self.pages.page_size
-
-    def usage(self, now: float, *, audit: bool = False) -> dict[str, float]:
-        """The `EngineStats` fields the scheduler owns: queue, running batch, KV pool;
-        `audit`: also the page allocator's audit (O(pages): asked for, not every read)."""
-        pages = self.pages
-        oldest = self.waiting.oldest_queued_at()
-        return dict(
-            running=self.num_running, waiting=self.num_waiting,
-            running_capacity=self.running_capacity,
-            oldest_waiting_age_s=max(0.0, now - oldest) if oldest is not None else 0.0,
-            kv_pages_total=pages.num_usable, kv_pages_in_use=pages.num_in_use,
-            kv_pages_cached=pages.num_cached, kv_pages_free=pages.num_free,
-            prefix_cache_queries_tokens=pages.query_tokens,
-            prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions,
-            step_plans=dict(self.plans),
-            adapters=self.adapters.stats(),
-            kv_audit=pages.audit(s.kv_pages for s in self.running.values()) if audit else [])
 
     # -- one iteration -------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -547,114 +452,13 @@ class Scheduler(ChunkSizing, ItlPlanning):
         self.waiting.stopped(seq)
         batch.preempted.append(seq.seq_id)
 
-    # -- after the step ------------------------------------------------------------------
-    def observe(self, batch: Batch, seconds: float,
-                shape: tuple[int, int] | None = None) -> None:
-        """Feed the step's measured device time (and the compiled shape it ran in) to
-        the cost model."""
-        n = batch.num_decode
-        self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
-        if n:  # the streams' token gap, as they have lately seen it
-            gap = self._gap_s
-            self._gap_s = seconds if gap is None else gap + _GAP_ALPHA * (seconds - gap)
+    # -- helpers --------------------------------------------------------------------------
 
     def _last_in_flight(self, seq: Sequence) -> bool:
         """The token in flight is the sequence's last: max_tokens or the context."""
         n = seq.num_generated + seq.inflight
         return n >= seq.max_tokens or bool(
             self.max_context and seq.num_tokens + seq.inflight >= self.max_context)
-
-    def launched(self, batch: Batch) -> None:
-        """The step is on its way (its plan packed): its chunks count as computed, and a
-        chunk that samples leaves its token in flight, so the next step can be planned
-        before this one's result is back (overlapped scheduling; without overlap the
-        engine commits right after)."""
-        batch.epochs = [seq.num_preemptions for seq in batch.seqs]
-        ps = self.pages.page_size
-        for seq, chunk in zip(batch.seqs, batch.plan.chunks):
-            if seq.aborted or not seq.is_running:
-                continue
-            start = chunk.start_pos
-            end = start + len(chunk.token_ids)
-            if end > seq.num_computed_tokens:
-                seq.num_computed_tokens = end
-            # Its full pages join the prefix cache now (a step reading them runs after
-            # this one), but not a page whose last token is still in flight: `commit`.
-            if not chunk.pending and end // ps > start // ps:
-                batch.registered += self.pages.register(seq, start // ps, end // ps)
-            if chunk.sample:
-                seq.inflight += 1
-                seq.phase = Phase.DECODE
-
-    def forget(self, batch: Batch) -> list[Sequence]:
-        """A launched step failed: the pages it offered the cache hold nothing. Returns
-        the running sequences outside it that had taken them as prefix hits."""
-        lost = set(batch.registered)
-        if not lost:
-            return []
-        self.pages.forget(lost)
-        inside = {id(s) for s in batch.seqs}
-        return [s for s in self.running.values()
-                if id(s) not in inside and not lost.isdisjoint(s.kv_pages)]
-
-    def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
-        """Record what a `launched` step computed; returns the sequences that got a new
-        token (the token already appended). Sequences aborted, finished or preempted
-        since the launch are skipped (a token of theirs is dropped)."""
-        if not batch.epochs and batch.seqs:
-            self.launched(batch)  # a caller that steps synchronously (simulations)
-        ps = self.pages.page_size
-        out = []
-        sampled = result.sampled
-        for seq, chunk, epoch in zip(batch.seqs, batch.plan.chunks, batch.epochs):
-            if seq.aborted or not seq.is_running or seq.num_preemptions != epoch:
-                continue  # aborted while the step ran: the engine ends it next
-            start = chunk.start_pos
-            end = start + len(chunk.token_ids)
-            if chunk.pending and end // ps > start // ps:  # its token is known now
-                self.pages.register(seq, start // ps, end // ps)
-            if chunk.score_targets:
-                scores = result.prompt_logprobs.get(seq.seq_id)
-                if scores is None:
-                    raise RuntimeError(f"runner returned no prompt logprobs for seq {seq.seq_id}")
-                seq.record_scores(chunk.start_pos, scores)
-            if chunk.sample:
-                tok = sampled.get(seq.seq_id)
-                if tok is None:
-                    raise RuntimeError(f"runner returned no token for seq {seq.seq_id}")
-                seq.inflight = max(0, seq.inflight - 1)
-                seq.token_ids.append(tok.token_id)
-                seq.output_ids.append(tok.token_id)
-                if seq.adapter is not None:
-                    self.adapters.tokens[seq.adapter] += 1
-                out.append((seq, tok))
-        return out
-
-    def finish(self, seq: Sequence) -> str | None:
-        """Take a sequence out for good (finished, aborted, shed, failed): pages back now.
-        Returns the name of an unloaded adapter that nothing needs any more: the caller
-        drops its weights from the runner."""
-        if seq.is_running:
-            del self.running[seq.seq_id]
-            self.pages.free(seq)
-            self.waiting.stopped(seq)
-            self._release_adapter(seq)
-        elif seq.phase is Phase.QUEUED:
-            self.waiting.remove(seq)
-        seq.phase = Phase.DONE
-        if self._promised:
-            promised = self._promised
-            for key in seq.page_keys[:seq.num_prompt_tokens // self.pages.page_size]:
-                n = promised.get(key, 0) - 1
-                if n > 0:
-                    promised[key] = n
-                else:
-                    promised.pop(key, None)
-        if seq.num_generated and not seq.aborted:
-            self.answer_tokens += 0.1 * (seq.num_generated - self.answer_tokens)
-        if seq.adapter is not None and self.adapters.ended(seq.adapter):
-            return seq.adapter
-        return None
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter is not None and seq.adapter_slot >= 0:

@@ -319,7 +319,8 @@ class StepCostModel:
         if num_decode == 0 or self.itl_budget_s <= 0:
             return None
         # The decode-only steps of this many rows as measured lately (what the pace was
-        # tuned on: docs/benchmarks.md), else the shape's prediction at this work.
+        # tuned on: docs/benchmarks.md, "Both SLOs at once"), else the shape's prediction
+        # at this work.
         base = self.decode_time(num_decode) or self.predict(num_decode, 0, work)
         if not base:
             return None  # nothing measured (a runner that reports no times): no limit

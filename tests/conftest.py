@@ -9,14 +9,14 @@ import pytest
 
 def pytest_report_header(config):
     """Which native kernel targets this CPU runs (the others' tests skip, saying why)."""
-    from tests import native_targets
+    from tests.cpu_kernels import native_targets
 
     return native_targets.header()
 
 
 def pytest_terminal_summary(terminalreporter):
     """The same line at the end, where a quiet run (`make test`, CI) shows it."""
-    from tests import native_targets
+    from tests.cpu_kernels import native_targets
 
     terminalreporter.write_line(native_targets.header())
 

@@ -1,12 +1,14 @@
 """The import rules of docs/architecture.md, checked on the source.
 
-`app -> scheduler, model, config`; `model -> pallas_kernels, config, scheduler.protocol`;
-`scheduler -> config` only; `pallas_kernels` and `config` import nothing of ours. Beyond
-the arrows: the scheduler never imports JAX and only its engine imports trio; model/ and
-pallas_kernels/ import nothing of the HTTP stack (they run on an accelerator image that
-has none of it, nor msgspec, which config/ needs: model/ imports config only inside
-functions); app/ imports model/ (and so JAX) only inside functions of the modules that
-load models, so `import app.cli` and `sluice chat` start without JAX.
+`app -> scheduler, model, config`; `model -> pallas_kernels, cpu_kernels, config,
+scheduler.protocol`; `pallas_kernels -> cpu_kernels` (the CPU backend calls the native
+kernels); `scheduler -> config` only; `cpu_kernels` and `config` import nothing of ours.
+Beyond the arrows: the scheduler never imports JAX and only its engine (engine.py,
+delivery.py) imports trio; model/, pallas_kernels/ and cpu_kernels/ import nothing of
+the HTTP stack (they run on an accelerator image that has none of it, nor msgspec, which
+config/ needs: model/ imports config only inside functions); app/ imports model/ (and so
+JAX) only inside functions of the modules that load models, so `import app.cli` and
+`sluice chat` start without JAX.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"app", "scheduler", "model", "pallas_kernels", "config"}
+OURS = {"app", "scheduler", "model", "pallas_kernels", "cpu_kernels", "config"}
 HTTP = {"quart", "quart_trio", "hypercorn", "trio", "httpx", "msgspec"}
 
 
@@ -49,7 +51,8 @@ def third_party(name: str) -> bool:
 
 @pytest.mark.parametrize("package, allowed", [
     ("scheduler", {"config", "scheduler"}),
-    ("pallas_kernels", {"pallas_kernels"}),
+    ("pallas_kernels", {"pallas_kernels", "cpu_kernels"}),
+    ("cpu_kernels", {"cpu_kernels"}),
     ("config", {"config"}),
 ])
 def test_packages_import_only_what_the_arrows_allow(package, allowed):
@@ -62,11 +65,11 @@ def test_scheduler_is_pure_policy():
     for f, n, _ in imports("scheduler"):
         top = n.split(".")[0]
         assert top in OURS or top in sys.stdlib_module_names or top == "__future__" or (
-            top == "trio" and f == "scheduler/engine.py"), (f, n)
+            top == "trio" and f in ("scheduler/engine.py", "scheduler/delivery.py")), (f, n)
 
 
-def test_pallas_kernels_and_config_need_only_their_libraries():
-    for f, n, _ in imports("pallas_kernels"):
+def test_kernels_and_config_need_only_their_libraries():
+    for f, n, _ in [*imports("pallas_kernels"), *imports("cpu_kernels")]:
         assert not third_party(n) or n.split(".")[0] in {"jax", "numpy"}, (f, n)
     for f, n, _ in imports("config"):
         assert not third_party(n) or n == "msgspec", (f, n)
@@ -85,5 +88,5 @@ def test_model_runs_without_the_http_stack():
 def test_app_imports_model_only_inside_loading_functions():
     loaders = {"app/loading.py", "app/cli.py", "app/serve.py"}
     for f, n, top_level in imports("app"):
-        if n.split(".")[0] in {"model", "pallas_kernels", "jax", "flax"}:
+        if n.split(".")[0] in {"model", "pallas_kernels", "cpu_kernels", "jax", "flax"}:
             assert not top_level and f in loaders, (f, n)

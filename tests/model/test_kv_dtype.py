@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from model.runner import ModelRunner
-from pallas_kernels.native import available
+from cpu_kernels.native import available
 from scheduler.protocol import StepPlan
 
 from . import numpy_llama

@@ -17,8 +17,8 @@ from gguf.quants import dequantize
 from model.quant import (PROJECTIONS, Q4_1, Q8_0, BlockMatrix, blocks, dequantize_blocks,
                          quantize_q4, quantize_q8_0)
 from model.runner import ModelRunner
-from pallas_kernels import native
-from tests import native_targets as targets
+from cpu_kernels import native
+from tests.cpu_kernels import native_targets as targets
 from tests.model.test_quant import _step_logits
 from tests.model.test_runner import TINY, random_params
 

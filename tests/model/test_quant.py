@@ -1,6 +1,6 @@
-"""int8 weights (model/quant.py) and the CPU's native kernel (pallas_kernels/native.py):
+"""int8 weights (model/quant.py) and the CPU's native kernel (cpu_kernels/native.py):
 the kernel against its definition in numpy, for every tile shape, each native target this
-CPU can run (tests/native_targets.py: portable, AVX2, AVX-512, AVX-512 BF16, AMX) and each
+CPU can run (tests/cpu_kernels/native_targets.py: portable, AVX2, AVX-512, AVX-512 BF16, AMX) and each
 block order the target reads, the one it packs first; a row's result independent of its batch;
 the runner on a tiny random model against the f32 runner, holding no f32 projections."""
 
@@ -14,9 +14,9 @@ import pytest
 from model.quant import (PROJECTIONS, Int8Matrix, dequantize_int8, linear, native_layout,
                          quantize_int8, quantized_bytes)
 from model.runner import ModelRunner
-from pallas_kernels import native
+from cpu_kernels import native
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
-from tests import native_targets as targets
+from tests.cpu_kernels import native_targets as targets
 from tests.model.test_runner import TINY, random_params
 
 pytestmark = pytest.mark.skipif(not native.available()[0],

@@ -2,7 +2,8 @@
 devices; and the CPU's native formats (int8 and q4_1 weights, the bf16 or int8 KV pool
 under the native attention, LoRA slots) split the same way. JAX fixes its device count when it starts, so each check runs in a subprocess
 with 4 forced host devices (`--xla_force_host_platform_device_count=4`) sharing this
-machine's cores: the point is correctness, not speed (docs/benchmarks.md has the cost).
+machine's cores: the point is correctness, not speed (docs/benchmarks.md, "Tensor
+parallelism on forced host devices").
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def test_native_weights_attention_and_lora_at_tp_2_match_tp_1(fmt):
     over 2 devices; int8 weights with a bf16 pool; q4_1 weights; and the default preset
     with native LoRA slots holding two adapters (requests under each and under none in
     one batch; then the adapters loaded into each other's slots give the same tokens)."""
-    from pallas_kernels.native import fast
+    from cpu_kernels.native import fast
 
     if not fast()[0]:
         pytest.skip("the native kernels do not build with a fast path here")

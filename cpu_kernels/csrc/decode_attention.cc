@@ -6,7 +6,7 @@
 // Registered with XLA as the FFI target "sluice_decode_attention" (native.py). Why: in
 // jnp the rows were walked in groups, each as far as its longest row, through page
 // gathers (a copy of every key and value) and small einsums; a long row made its
-// neighbours walk its keys (docs/benchmarks.md, issue 20).
+// neighbours walk its keys (docs/history/benchmarks-log.md, issue 20).
 //
 //   q       f32 [S, KVH, G, D]: one query per row, pre-scaled by 1/sqrt(D), its G heads
 //           sharing KV head k;
@@ -27,7 +27,7 @@
 // heads at once, so that pages are read whole and in order and one long row is shared by
 // the threads; a row's spans are merged at the end. 2k own keys of one row took 15.7 ms
 // for 30 layers walked per (row, head) with the group size read at run time, 6.2 ms now
-// (2 cores, AVX2; docs/benchmarks.md).
+// (2 cores, AVX2; docs/history/benchmarks-log.md).
 //
 // (About 420 lines: the walk's AVX-512, AVX2 and portable forms of one chunk, the span
 // walk, and the entry point that splits and merges spans; they change together.)
@@ -55,7 +55,7 @@ constexpr int kMaxG = 16;   // query heads per KV head
 constexpr int kMaxD = 256;  // head dimension
 constexpr int kChunk = 16;  // keys scored together
 // Chunks ahead that the walk asks the L2 cache for (the next one goes to L1): a row's
-// own keys rarely sit in a cache when a step reaches them (docs/benchmarks.md,
+// own keys rarely sit in a cache when a step reaches them (docs/history/benchmarks-log.md,
 // twenty-seventh session: own keys from the L3 cache, 1.28x with the keys at a time below).
 constexpr int64_t kL2Ahead = 4;
 

@@ -8,7 +8,7 @@ backend's attention (pallas_kernels/cpu.py).
 
 They are compiled on this machine the first time a runner asks for them (~18 s with g++
 on 2 cores, the sources side by side;
-`make install` builds it ahead, `python -m pallas_kernels.native`), for this CPU
+`make install` builds it ahead, `python -m cpu_kernels.native`), for this CPU
 (`-march=native`: AMX tiles where the CPU has them and the OS grants them, the AVX-512
 path where the CPU has AVX-512 BF16, AVX2 + FMA forms on CPUs without AVX-512, a
 portable loop otherwise), and kept in `$SLUICE_CACHE/native/` (default ~/.cache/sluice)
@@ -19,8 +19,8 @@ FFI targets are registered once per process (`sluice_q8_linear`, `sluice_q4_line
 `sluice_decode_attention`, `sluice_prefix_attention`, `sluice_prefill_attention`,
 `sluice_lora_delta`).
 
-Why native code at all: see each kernel's header and docs/benchmarks.md ("int8 weights",
-"decode attention").
+Why native code at all: see each kernel's header and docs/benchmarks.md ("int8 weights")
+and docs/history/benchmarks-log.md.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def lane_width() -> int:
 def fast() -> tuple[bool, str]:
     """(True, kind) where the native kernels beat XLA:CPU's f32 (AMX, AVX-512, AVX2), else
     (False, why): what "auto" settings ask before choosing int8 weights and a bf16 pool.
-    The portable build is 6-45x slower than f32 (docs/benchmarks.md, "AVX2")."""
+    The portable build is 6-45x slower than f32 (docs/benchmarks.md, "CPUs without AVX-512")."""
     ok, what = available()
     if ok and what == "portable":
         return False, "the native kernels' portable build (this CPU has no AVX2) is slower " \

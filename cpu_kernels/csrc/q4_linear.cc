@@ -10,7 +10,7 @@
 // the same operations whatever the rows of the call: a row's result does not depend on
 // its batch, and leaving all-zero rows out (dense_rows.h) changes no other row's bits.
 //
-// Registered with XLA as the FFI target "sluice_q4_linear" (pallas_kernels/native.py
+// Registered with XLA as the FFI target "sluice_q4_linear" (cpu_kernels/native.py
 // builds and loads it; model/quant.py packs the weights, `Q4Matrix`, and calls it). Why
 // it exists: on a CPU without AVX-512 BF16 or AMX (the AVX2 machines), the int8 kernel
 // (q8_linear.cc) multiplies in f32 FMAs, 8 products an instruction, after dequantizing

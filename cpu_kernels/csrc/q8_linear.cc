@@ -3,11 +3,11 @@
 // dequantized in registers to bf16 and multiplied with the activations rounded to bf16
 // by AVX-512 BF16 dot products (two products a lane, summed in f32).
 //
-// Registered with XLA as the FFI target "sluice_q8_linear" (pallas_kernels/native.py
+// Registered with XLA as the FFI target "sluice_q8_linear" (cpu_kernels/native.py
 // builds and loads it; model/quant.py calls it). Why it exists: a step of a few token
 // rows is bound by reading the weights; int8 weights are a quarter of f32's bytes, and
 // XLA:CPU materialises any dequantization done inside the jit (it ran slower than f32,
-// docs/benchmarks.md). bf16 dots do twice the f32 FMA's work per instruction once
+// docs/history/benchmarks-log.md). bf16 dots do twice the f32 FMA's work per instruction once
 // the weights are dequantized (once per block, for every row); Q8_0 x Q8_0 with VNNI
 // int8 dots cost as much here, each block being rescaled in f32 per row, and was less
 // accurate (docs/benchmarks.md, "int8 weights").
@@ -19,7 +19,7 @@
 // while the vector unit dequantizes the next block. The dequantization, once per weight
 // whatever the row count, is then most of the work: 16 rows cost about what one does
 // (2-core Sapphire Rapids, 30 layers of the embedded model: 11 ms at 1 row, 15 at 16,
-// 89 at 272, against 15 / 28 / 369 for the AVX-512 path; docs/benchmarks.md). The OS
+// 89 at 272, against 15 / 28 / 369 for the AVX-512 path; docs/history/benchmarks-log.md). The OS
 // must grant the tile state (arch_prctl); where it does not, the AVX-512 path runs. A
 // row's result does not depend on the other rows of its call in either path (each sums
 // its blocks in one order).
@@ -414,7 +414,7 @@ void group(const uint8_t* wg, const float* sg, const float* x, int64_t k, int64_
 //     transposed to [K][rows], each block dequantized into L1 and each weight broadcast
 //     for 16 rows, 12 accumulators (6 columns x 16 rows) a block: one load a two FMAs,
 //     1.2-1.35x the rate of `rows16` from 16 rows; under 16 rows about its rate
-//     (docs/benchmarks.md, "the AVX2 path's own block order").
+//     (docs/history/benchmarks-log.md, "The AVX2 int8 kernel's own block order").
 constexpr int64_t kLanesRows = 16;
 
 // Columns [0, 8) and [8, 16) of k row i of block b (layout 1), dequantized.

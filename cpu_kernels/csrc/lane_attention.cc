@@ -10,7 +10,7 @@
 // horizontal sums, no per-chunk transposes, keys and values read in place in the pool.
 // Why: in jnp (pallas_kernels/cascade.py) these were XLA einsums over gathered blocks;
 // a 16-token question after a 2,000-token system prompt spent ~45 ms in them
-// (docs/benchmarks.md, "Attention in lanes").
+// (docs/history/benchmarks-log.md, "Attention in lanes").
 // Over a bf16 pool, where the CPU has the AMX tile unit (and D is a multiple of 32), the
 // products run on tiles instead (`walk_amx`): scores K Q^T and values P^T V in bf16 with
 // f32 sums, the queries and the softmax weights rounded to bf16 as a GPU's flash
@@ -71,7 +71,8 @@ constexpr int kMaxKeys = 32;           // keys of one softmax step at most (AMX:
 constexpr int64_t kPartKeys = 512;     // a walk is split in parts of at least this many keys
 constexpr float kNeg = -1e30f;
 // The AVX2 walk prefetches the chunk this many ahead (the next one only left the
-// widening of each chunk waiting on memory; docs/benchmarks.md, twenty-seventh session).
+// widening of each chunk waiting on memory; docs/history/benchmarks-log.md,
+// twenty-seventh session).
 constexpr int64_t kAhead = 4;
 
 enum class Kind { f32, bf16, int8 };

@@ -1,13 +1,13 @@
 // Sluice's native LoRA kernel for the CPU backend: every token's own adapter delta, added
 // in place to one fused projection's output, y += B[slot] @ (A[slot] @ x), per token.
 //
-// Registered with XLA as the FFI target "sluice_lora_delta" (pallas_kernels/native.py
+// Registered with XLA as the FFI target "sluice_lora_delta" (cpu_kernels/native.py
 // builds and loads it; model/adapter_slots.py's `NativeLora` calls it). Why it exists:
 // XLA's "stacked mask" form (model/llama.py, `_lora_delta`) multiplies every token by
 // every slot's A and B and masks the result: it reads all `max_loras` adapters' weights
 // every step and pays `max_loras` x the FLOPs. With the int8 base weights (134 MB a step
 // for the embedded model), 4 slots of rank 16 on all seven projections in f32 (78 MB) cost
-// +30% on a decode step of 16 (docs/benchmarks.md). Here each token reads only its own
+// +30% on a decode step of 16 (docs/history/benchmarks-log.md). Here each token reads only its own
 // slot's rows (SGMV-style, as Punica and S-LoRA do on GPUs), the slots may be stored in
 // bf16 (half the bytes; the int8 path rounds its activations to bf16 anyway) and the
 // result is added to y in place (XLA aliases y to the output).
@@ -59,7 +59,7 @@ constexpr int kCols = 16; // B columns a block, and the rank rows held in regist
 constexpr int64_t kParallelTokens = 32;  // fewer tokens under adapters: one thread
 // The AVX2 form of phase 1 asks for the A rows this many on as it reads a pair (on Zen 3,
 // 30 layers of 16 tokens over 4 slots: 6.8 -> 5.8 ms; 2 rows on: 7.3, 16: 6.3;
-// docs/benchmarks.md, thirty-first session).
+// docs/history/benchmarks-log.md, thirty-first session).
 constexpr int64_t kAheadRows = 8;
 
 // Phase 1 for up to kTok tokens of one slot: hq[q][j * Rp + r] = A[j, r, :] . x_q for the

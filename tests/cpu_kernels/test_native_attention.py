@@ -1,4 +1,4 @@
-"""Each native target's attention kernels (tests/native_targets.py: the portable loops,
+"""Each native target's attention kernels (tests/cpu_kernels/native_targets.py: the portable loops,
 AVX2, AVX-512, AVX-512 BF16, AMX, where this CPU runs them) against the dense reference: prefill blocks, and a shared prefix then each row's own
 pages, over f32 pools, pools of bf16 bit patterns and int8 pools (each row's scale after
 it). The default build is checked through the CPU backend (test_backends.py);
@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import native, paged_attention_dense
-from tests import native_targets as targets
+from cpu_kernels import native
+from pallas_kernels import paged_attention_dense
+from tests.cpu_kernels import native_targets as targets
 
 
 def _int8_rows(x):

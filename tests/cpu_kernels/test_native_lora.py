@@ -1,6 +1,6 @@
 """The native LoRA kernel (csrc/lora_delta.cc) against numpy: each token takes its own
 slot's delta (none for slot -1), in f32 and bf16 storage, feature-major and row-major, in
-the default build and each native target this CPU runs (tests/native_targets.py); a token's result does not depend on its batch."""
+the default build and each native target this CPU runs (tests/cpu_kernels/native_targets.py); a token's result does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import native
+from cpu_kernels import native
 
 L, S, K = 3, 4, 40  # K not a multiple of 16: the kernel's tails
 OUTS = (48, 24, 20)  # three targets side by side (q/k/v-like; the last one's B is padded)

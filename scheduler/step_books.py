@@ -1,0 +1,122 @@
+"""The scheduler's books after a step is planned: `launched` (its chunks count as
+computed, sampled tokens in flight, full pages offered to the prefix cache), `commit`
+(the tokens appended once the result is back), `forget` (a launched step failed),
+`observe` (its measured time into the cost model) and `finish` (a sequence out for
+good, its pages back in the pool).
+
+`StepBooks` is a mixin of `Scheduler` (scheduler/policy.py), on the engine's thread.
+"""
+
+from __future__ import annotations
+
+from .protocol import SampledToken, StepResult
+from .request import Phase, Sequence
+
+# The weight of each step in the mean token gap `_short_chunk` compares arrivals with.
+_GAP_ALPHA = 0.1
+
+
+class StepBooks:
+    """What a launched, committed or failed step changes in the scheduler's state."""
+
+    def observe(self, batch, seconds: float,
+                shape: tuple[int, int] | None = None) -> None:
+        """Feed the step's measured device time (and the compiled shape it ran in) to
+        the cost model."""
+        n = batch.num_decode
+        self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
+        if n:  # the streams' token gap, as they have lately seen it
+            gap = self._gap_s
+            self._gap_s = seconds if gap is None else gap + _GAP_ALPHA * (seconds - gap)
+
+    def launched(self, batch) -> None:
+        """The step is on its way (its plan packed): its chunks count as computed, and a
+        chunk that samples leaves its token in flight, so the next step can be planned
+        before this one's result is back (overlapped scheduling; without overlap the
+        engine commits right after)."""
+        batch.epochs = [seq.num_preemptions for seq in batch.seqs]
+        ps = self.pages.page_size
+        for seq, chunk in zip(batch.seqs, batch.plan.chunks):
+            if seq.aborted or not seq.is_running:
+                continue
+            start = chunk.start_pos
+            end = start + len(chunk.token_ids)
+            if end > seq.num_computed_tokens:
+                seq.num_computed_tokens = end
+            # Its full pages join the prefix cache now (a step reading them runs after
+            # this one), but not a page whose last token is still in flight: `commit`.
+            if not chunk.pending and end // ps > start // ps:
+                batch.registered += self.pages.register(seq, start // ps, end // ps)
+            if chunk.sample:
+                seq.inflight += 1
+                seq.phase = Phase.DECODE
+
+    def forget(self, batch) -> list[Sequence]:
+        """A launched step failed: the pages it offered the cache hold nothing. Returns
+        the running sequences outside it that had taken them as prefix hits."""
+        lost = set(batch.registered)
+        if not lost:
+            return []
+        self.pages.forget(lost)
+        inside = {id(s) for s in batch.seqs}
+        return [s for s in self.running.values()
+                if id(s) not in inside and not lost.isdisjoint(s.kv_pages)]
+
+    def commit(self, batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
+        """Record what a `launched` step computed; returns the sequences that got a new
+        token (the token already appended). Sequences aborted, finished or preempted
+        since the launch are skipped (a token of theirs is dropped)."""
+        if not batch.epochs and batch.seqs:
+            self.launched(batch)  # a caller that steps synchronously (simulations)
+        ps = self.pages.page_size
+        out = []
+        sampled = result.sampled
+        for seq, chunk, epoch in zip(batch.seqs, batch.plan.chunks, batch.epochs):
+            if seq.aborted or not seq.is_running or seq.num_preemptions != epoch:
+                continue  # aborted while the step ran: the engine ends it next
+            start = chunk.start_pos
+            end = start + len(chunk.token_ids)
+            if chunk.pending and end // ps > start // ps:  # its token is known now
+                self.pages.register(seq, start // ps, end // ps)
+            if chunk.score_targets:
+                scores = result.prompt_logprobs.get(seq.seq_id)
+                if scores is None:
+                    raise RuntimeError(f"runner returned no prompt logprobs for seq {seq.seq_id}")
+                seq.record_scores(chunk.start_pos, scores)
+            if chunk.sample:
+                tok = sampled.get(seq.seq_id)
+                if tok is None:
+                    raise RuntimeError(f"runner returned no token for seq {seq.seq_id}")
+                seq.inflight = max(0, seq.inflight - 1)
+                seq.token_ids.append(tok.token_id)
+                seq.output_ids.append(tok.token_id)
+                if seq.adapter is not None:
+                    self.adapters.tokens[seq.adapter] += 1
+                out.append((seq, tok))
+        return out
+
+    def finish(self, seq: Sequence) -> str | None:
+        """Take a sequence out for good (finished, aborted, shed, failed): pages back now.
+        Returns the name of an unloaded adapter that nothing needs any more: the caller
+        drops its weights from the runner."""
+        if seq.is_running:
+            del self.running[seq.seq_id]
+            self.pages.free(seq)
+            self.waiting.stopped(seq)
+            self._release_adapter(seq)
+        elif seq.phase is Phase.QUEUED:
+            self.waiting.remove(seq)
+        seq.phase = Phase.DONE
+        if self._promised:
+            promised = self._promised
+            for key in seq.page_keys[:seq.num_prompt_tokens // self.pages.page_size]:
+                n = promised.get(key, 0) - 1
+                if n > 0:
+                    promised[key] = n
+                else:
+                    promised.pop(key, None)
+        if seq.num_generated and not seq.aborted:
+            self.answer_tokens += 0.1 * (seq.num_generated - self.answer_tokens)
+        if seq.adapter is not None and self.adapters.ended(seq.adapter):
+            return seq.adapter
+        return None
