@@ -7,7 +7,7 @@
 #      weights (bf16).
 # Each part has its own time limit and writes under $OUT as it goes, so a part that fails or
 # runs long costs only itself. Wheels for the engine's pure-Python needs the image lacks
-# (trio, sniffio, outcome, msgspec) travel in .whl/ (docs/benchmarks.md, "Accelerator").
+# (trio, sniffio, outcome, msgspec) travel in .whl/ (docs/benchmarks.md, "Accelerator (H200)").
 #   run(command="bash benchmarks/h200_lease.sh", carry=[".whl"], timeout_s=...)
 # Env: TEST_S (120), BENCH_S (330), SERVING_S (30: the serving window), BENCH_ARGS (e.g.
 # "--sweep-only --skip serving_8b --profile-dir /tmp/h200-profile").

@@ -7,7 +7,7 @@ choose (`--quantization`, `--kv-cache-dtype`: "auto", as `sluice serve`). The IT
 shapes fit a target decides how many streams can run beside a prompt chunk. Prints one
 JSON object: median milliseconds per step, keyed "d,p".
 
-    .venv/bin/python benchmarks/step_shapes.py [--reps 7] [--quantization none]
+    .venv/bin/python benchmarks/experiments/step_shapes.py [--reps 7] [--quantization none]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
 from model.weights import load_model  # noqa: E402

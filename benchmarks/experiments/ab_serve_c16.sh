@@ -3,9 +3,9 @@
 # run from SRC (another checkout: an A/B against older code; default this one), once every
 # shape is compiled. The load generator is always this checkout's. Output in OUT/.
 # BENCH_ARGS: more `sluice bench` flags (e.g. "--temperature 1": sampled answers).
-#   benchmarks/ab_serve_c16.sh OUT [PORT] [SRC] [-- extra `sluice serve` flags]
+#   benchmarks/experiments/ab_serve_c16.sh OUT [PORT] [SRC] [-- extra `sluice serve` flags]
 set -eu
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 HERE=$PWD
 OUT=$(realpath -m "${1:?OUT}"); PORT=${2:-18975}; SRC=${3:-$PWD}
 shift $(( $# < 3 ? $# : 3 )); [ "${1:-}" = "--" ] && shift

@@ -13,7 +13,7 @@ For each run: host work per step (p50, ms: the iteration's wall time not spent w
 for the computation), and the fraction of the wall time the computation stood idle
 between steps (`StepRecord.idle_s` summed over the span). Prints one JSON line.
 
-    .venv/bin/python benchmarks/overlap_ab.py [--rounds 2]
+    .venv/bin/python benchmarks/experiments/overlap_ab.py [--rounds 2]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import trio  # noqa: E402

@@ -12,7 +12,7 @@ never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` (or "i
 among them sets the runner's KV pool instead, and `"amx": false` keeps a bf16 pool's lane attention off
 the AMX tile unit (the AVX-512 path) for that variant's steps. Median of 5, ms. Prints one JSON line.
 
-    .venv/bin/python benchmarks/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
+    .venv/bin/python benchmarks/experiments/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
         [--cases 16+0 4+longdec]
 """
 
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.runner import ModelRunner  # noqa: E402
 from pallas_kernels import native  # noqa: E402

@@ -9,7 +9,7 @@ from the repository root:
 
     .venv/bin/sluice export-tokenizer embedded /tmp/tok
     /opt/guidellm/bin/pip install llguidance
-    PYTHONPATH=. /opt/guidellm/bin/python benchmarks/grammar_engines.py --tokenizer /tmp/tok
+    PYTHONPATH=. /opt/guidellm/bin/python benchmarks/experiments/grammar_engines.py --tokenizer /tmp/tok
 """
 
 from __future__ import annotations

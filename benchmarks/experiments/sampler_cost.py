@@ -3,7 +3,7 @@ embedded model's vocabulary, greedy (the `greedy` variant, and greedy rows in `f
 logit bias or a grammar mask puts them) and sampled (temperature 0.7, with and without
 top-p 0.9). Prints one JSON line of medians.
 
-    .venv/bin/python benchmarks/sampler_cost.py [--rows 16] [--reps 20]
+    .venv/bin/python benchmarks/experiments/sampler_cost.py [--rows 16] [--reps 20]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import sampling  # noqa: E402
 from scheduler.protocol import SamplingParams, SeqChunk  # noqa: E402

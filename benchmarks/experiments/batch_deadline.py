@@ -6,7 +6,7 @@ starts. Polls the batch every 2 s (status, counts, the level it was raised to, i
 estimated completion). Prints one JSON line: whether it completed within its window, when,
 and the level timeline.
 
-    .venv/bin/python benchmarks/batch_deadline.py URL OUT [--batch 120] [--window 4m]
+    .venv/bin/python benchmarks/experiments/batch_deadline.py URL OUT [--batch 120] [--window 4m]
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Serving with LoRA adapters beside serving the base model, one server, side by side:
-# 4 random adapters of rank 16 on all seven projections (benchmarks/make_adapters.py),
+# 4 random adapters of rank 16 on all seven projections (benchmarks/experiments/make_adapters.py),
 # declared in a pool with max_loras = 4 and a 1 GiB KV pool (otherwise the default
 # preset: each adapter keeps its own copy of the shared system prompt); once every shape
 # is compiled, shared-prefix at concurrency 16 alternates: base, --adapters 4, base,
 # --adapters 4 (alternating because this machine's speed drifts over minutes).
 # POOL_EXTRA adds lines to the pool's config (e.g. 'kv_cache_dtype = "bfloat16"').
-#   benchmarks/lora_serve_ab.sh OUT_DIR [PORT]
+#   benchmarks/experiments/lora_serve_ab.sh OUT_DIR [PORT]
 set -eu
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:?OUT_DIR}; PORT=${2:-18900}
 mkdir -p "$OUT"
 { printf '[[pools]]\nkv_cache_bytes = 1073741824\n%s\n' "${POOL_EXTRA:-}"
-  .venv/bin/python benchmarks/make_adapters.py --n 4 --rank 16 --out "$OUT/adapters"; } \
+  .venv/bin/python benchmarks/experiments/make_adapters.py --n 4 --rank 16 --out "$OUT/adapters"; } \
   > "$OUT/lora.toml"
 . benchmarks/serve_ready.sh
 serve_ready "$OUT" "$PORT" --config "$OUT/lora.toml"

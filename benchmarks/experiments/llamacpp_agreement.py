@@ -7,7 +7,7 @@ llama.cpp computes them): for each pair, the tokens their answers share before t
 per question. Greedy answers part at near-ties, so a pair that computes the same numbers
 shares whole answers and one that does not parts early. Prints one JSON line.
 
-    .venv/bin/python benchmarks/llamacpp_agreement.py [--llama-url URL] [--tokens 64]
+    .venv/bin/python benchmarks/experiments/llamacpp_agreement.py [--llama-url URL] [--tokens 64]
 
 Without --llama-url it starts the llama.cpp server that benchmarks/llamacpp_vs_sluice.sh
 built and cached (run that once first).
@@ -24,10 +24,13 @@ import sys
 import time
 import urllib.request
 from itertools import combinations
+from pathlib import Path
 
-from int8_accuracy import QUESTIONS, greedy, runner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: int8_accuracy
 
-from model.weights import load_model
+from int8_accuracy import QUESTIONS, greedy, runner  # noqa: E402
+
+from model.weights import load_model  # noqa: E402
 
 
 def shared(a: list[int], b: list[int]) -> int:

@@ -8,7 +8,7 @@ with the given attention options (JSON: name -> CpuBackend keyword arguments); t
 default compares the cascade of one prefix per step (`max_prefixes` 1, one copy slot)
 with the default (4 and 4). Prints one JSON line of median milliseconds per step.
 
-    .venv/bin/python benchmarks/cascade_prefixes_ab.py [--reps 12] [--variants JSON]
+    .venv/bin/python benchmarks/experiments/cascade_prefixes_ab.py [--reps 12] [--variants JSON]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
 from model.weights import load_model  # noqa: E402

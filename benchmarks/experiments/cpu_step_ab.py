@@ -13,7 +13,7 @@ The system prompt is the shared-prefix workload's as the server sees it: 125 who
 Prints one JSON line: median milliseconds per step (per prompt for the prefill) and
 variant, and whether the variants' logits agree.
 
-    .venv/bin/python benchmarks/cpu_step_ab.py [--reps 30]
+    .venv/bin/python benchmarks/experiments/cpu_step_ab.py [--reps 30]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
 from model.weights import load_model  # noqa: E402

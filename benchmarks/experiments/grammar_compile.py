@@ -3,7 +3,7 @@ has not seen (compiled on arrival) against the same schemas again (cached), one 
 max_tokens 1, against a running server. Prints one JSON line: median seconds to the whole
 response, new and cached, and their difference (the compile).
 
-    .venv/bin/python benchmarks/grammar_compile.py --url http://127.0.0.1:8000 [--n 10]
+    .venv/bin/python benchmarks/experiments/grammar_compile.py --url http://127.0.0.1:8000 [--n 10]
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ can only be slower here (the collectives and the per-device programs on the same
 threads); the point of TP on this machine is correctness (tests/model/test_tp.py).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
-        .venv/bin/python benchmarks/tp_step.py [--degrees 1,2,4] [--attention cpu]
+        .venv/bin/python benchmarks/experiments/tp_step.py [--degrees 1,2,4] [--attention cpu]
 
-    .venv/bin/python benchmarks/tp_step.py --processes 2
+    .venv/bin/python benchmarks/experiments/tp_step.py --processes 2
 
 Prints one JSON line: per degree, the median time of a 16-row decode step at a 512-token
 context and of one 256-token prefill step. `--processes N`: one TP=N replica over N

@@ -7,7 +7,7 @@
 #   scan+dsf  the scan with XLA's dynamic-slice fusion flag.
 # A profile of the scan showed each layer's weight slices copied before their matmuls
 # (docs/benchmarks.md, "Accelerator (H200)").
-#   run(command="bash benchmarks/h200_layer_loop_ab.sh", carry=[".whl"], timeout_s=380)
+#   run(command="bash benchmarks/experiments/h200_layer_loop_ab.sh", carry=[".whl"], timeout_s=380)
 set -u
 OUT=${OUT:-/tmp/h200-layer-loop}
 mkdir -p "$OUT"

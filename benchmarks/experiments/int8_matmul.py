@@ -10,7 +10,7 @@ source built without it (`int8_avx512`) runs beside it. `q4`: the projections in
 blocks times int8 activations, `q8_0` the lm_head in Q8_0 blocks times int8 activations
 (csrc/q4_linear.cc: `quantization = "q4_1"`). Prints one JSON line.
 
-    .venv/bin/python benchmarks/int8_matmul.py [--rows 1,4,16,64,272]
+    .venv/bin/python benchmarks/experiments/int8_matmul.py [--rows 1,4,16,64,272]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 
 from model.bench import median_time
 from model.quant import quantize_int8, quantize_q4, quantize_q8_0
-from pallas_kernels import native
-from pallas_kernels.native import available, q4_linear, q8_linear
+from cpu_kernels import native
+from cpu_kernels.native import available, q4_linear, q8_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

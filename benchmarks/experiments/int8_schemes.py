@@ -9,7 +9,7 @@ Schemes: weights in 32-value blocks (Q8_0's) or per output channel; activations 
 bf16, in 32/64-value blocks (Q8_0 x Q8_0, what llama.cpp's CPU path multiplies), or per
 token (W8A8).
 
-    .venv/bin/python benchmarks/int8_schemes.py
+    .venv/bin/python benchmarks/experiments/int8_schemes.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.weights import load_model  # noqa: E402
 from tests.model import numpy_llama as nl  # noqa: E402
 

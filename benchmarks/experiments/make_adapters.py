@@ -1,6 +1,6 @@
 """Write N random LoRA adapters in the PEFT layout for a model's shapes (benchmarks, demos).
 
-    .venv/bin/python benchmarks/make_adapters.py --model embedded --n 4 --rank 16 --out DIR
+    .venv/bin/python benchmarks/experiments/make_adapters.py --model embedded --n 4 --rank 16 --out DIR
 
 Each adapter trains all seven projections (q/k/v/o/gate/up/down) of every layer with
 random A and B (tests/model/peft.py writes them); the directories are DIR/lora-0 ...
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.weights import load_model  # noqa: E402
 from tests.model.peft import write_peft  # noqa: E402

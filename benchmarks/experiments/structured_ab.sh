@@ -4,9 +4,9 @@
 # small JSON schema (every request), twice each (this machine's speed drifts over
 # minutes). Then the grammar compile time of new schemas, from the server's log-free
 # side: a request with a fresh schema against one with a cached one.
-#   benchmarks/structured_ab.sh OUT_DIR [PORT]
+#   benchmarks/experiments/structured_ab.sh OUT_DIR [PORT]
 set -eu
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:?OUT_DIR}; PORT=${2:-18960}
 mkdir -p "$OUT"
 . benchmarks/serve_ready.sh
@@ -22,6 +22,6 @@ for round in $(seq "${ROUNDS:-2}"); do
   $BENCH --label "schema-$round" --extra-body "$SCHEMA" --out "$OUT/schema-$round" \
     | tail -1 > "$OUT/schema-$round.json"
 done
-.venv/bin/python benchmarks/grammar_compile.py --url "http://127.0.0.1:$PORT" \
+.venv/bin/python benchmarks/experiments/grammar_compile.py --url "http://127.0.0.1:$PORT" \
   > "$OUT/compile.json"
 cat "$OUT/compile.json"

@@ -11,7 +11,7 @@ a long mixed step) plus a one-sequence decode step, and a cold 2,000-token prefi
 of each, and the largest logit difference between them.
 
     git worktree add /tmp/unrolled 4d3075e
-    .venv/bin/python benchmarks/ab_unrolled_runner.py --baseline /tmp/unrolled [--reps 16]
+    .venv/bin/python benchmarks/experiments/ab_unrolled_runner.py --baseline /tmp/unrolled [--reps 16]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
 from model.weights import load_model  # noqa: E402

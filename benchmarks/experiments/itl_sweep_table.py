@@ -1,8 +1,8 @@
-"""The table of an ITL-target sweep (`benchmarks/itl_sweep.sh OUT`), from OUT/*/c16:
+"""The table of an ITL-target sweep (`benchmarks/experiments/itl_sweep.sh OUT`), from OUT/*/c16:
 per target, the admitted requests' latency (and the worst request's own p95 ITL), output
 tokens/s, refusals, and the step-cost model's error and host work that the server reported.
 
-    .venv/bin/python benchmarks/itl_sweep_table.py OUT
+    .venv/bin/python benchmarks/experiments/itl_sweep_table.py OUT
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 For each token count: the four fused groups of SmolLM2-135M's shapes (q/k/v, o, gate/up,
 down), 30 layers each in a `fori_loop`, 4 slots of rank 16 with the tokens spread over
-them round-robin; the native kernel (`pallas_kernels/csrc/lora_delta.cc`) with bf16
+them round-robin; the native kernel (`cpu_kernels/csrc/lora_delta.cc`) with bf16
 slots, as beside int8 weights, and the stacked form (`model/llama.py`, `_lora_delta`)
 in f32, as the step ran it before. Variants interleaved rep by rep; prints one JSON line
 of the median and fastest milliseconds for the 30 layers of all four groups.
 
-    .venv/bin/python benchmarks/lora_kernel.py [--reps 10] [--tokens 16,96]
+    .venv/bin/python benchmarks/experiments/lora_kernel.py [--reps 10] [--tokens 16,96]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.llama import _lora_delta  # noqa: E402
 from pallas_kernels import native  # noqa: E402

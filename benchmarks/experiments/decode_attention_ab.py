@@ -6,7 +6,7 @@ tokens beside 4 or 15 of 200: the long-interference workload's decode step). Smo
 attention shapes (3 KV heads, 3 query heads each, head_dim 64), pages of 16 tokens
 scattered over the pool, no shared prefix. Median of 7, ms. Prints one JSON line.
 
-    .venv/bin/python benchmarks/decode_attention_ab.py
+    .venv/bin/python benchmarks/experiments/decode_attention_ab.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from model.bench import median_time
 from pallas_kernels import GroupLayout, PoolLayout, make_backend
-from pallas_kernels.native import available
+from cpu_kernels.native import available
 
 LAYERS, PAGES, PS, KVH, D, G = 30, 900, 16, 3, 64, 3
 CASES = {"16x512": [512] * 16, "16x2000": [2000] * 16, "6000+4x200": [6000] + [200] * 4,

@@ -1,4 +1,4 @@
-"""The CPU's lane attention kernels alone (pallas_kernels/csrc/lane_attention.cc): one
+"""The CPU's lane attention kernels alone (cpu_kernels/csrc/lane_attention.cc): one
 layer of the embedded model's shape (3 KV heads x 3 query heads, d 64, pages of 16,
 random keys in scrambled pages), median of 20 calls, reported for 30 layers (one layer's
 pool stays in cache: this is the kernels' compute, not the memory a step reads). Prefill
@@ -8,7 +8,7 @@ adapters' copies of one system prompt). Over each pool: f32, bf16 walked in vect
 bf16 on the AMX tile unit (where the CPU has it; `sluice_lane_amx` switches). Prints one
 JSON line.
 
-    .venv/bin/python benchmarks/lane_attention.py
+    .venv/bin/python benchmarks/experiments/lane_attention.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -15,7 +15,7 @@ p95 (ratio), and the mean (= /metrics' sum / count). Finally, with the server id
 chat page answers two questions and is photographed mid-answer (OUT/chat.png).
 Prints one JSON line.
 
-    .venv/bin/python benchmarks/console_under_load.py URL OUT [--order none,poll,browser,none,poll]
+    .venv/bin/python benchmarks/experiments/console_under_load.py URL OUT [--order none,poll,browser,none,poll]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ again while the backlog is queued. /metrics is sampled every second throughout, 
 plot of interactive vs batch tokens over time. Prints one JSON line (both runs' TTFT and
 ITL p50/p95, useful-busy, batch progress) and writes batch_interference.png under OUT.
 
-    .venv/bin/python benchmarks/batch_interference.py URL OUT [--batch 500] [--requests 48]
+    .venv/bin/python benchmarks/experiments/batch_interference.py URL OUT [--batch 500] [--requests 48]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ runner (`base/4-prefixes`) and with the 4 adapters (`4-adapters/4-prefixes`): wh
 CPU backend's cascade, which reads one shared prefix per step, costs then. Prints one
 JSON line of median (and fastest) milliseconds per step.
 
-    .venv/bin/python benchmarks/lora_step_ab.py [--reps 30] [--quantization none]
+    .venv/bin/python benchmarks/experiments/lora_step_ab.py [--reps 30] [--quantization none]
         [--kv-cache-dtype bfloat16]
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.lora import load_peft_adapter  # noqa: E402
 from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
