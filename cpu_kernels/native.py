@@ -248,18 +248,25 @@ def pack_lora_b(bs) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(blocks, axis=-3))
 
 
+def _attention_call(target: str, ours: str, out, q, k_pool, v_pool, ints, rest=()):
+    """The attention kernels' calling convention: `target` called for `out` on q as f32,
+    the pools as they are, each of `ints` as int32, then `rest` as it is. The library is
+    loaded first when `target` is `ours` (tests register other builds themselves)."""
+    if target == ours:
+        load()
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(target, out)(
+        q.astype(jnp.float32), k_pool, v_pool, *(i32(a) for a in ints), *rest)
+
+
 def decode_attention(q, k_pool, v_pool, page_offset, tables, start, ctx, m, l, acc, *,
                      target: str = ATTENTION_TARGET):
     """One query per row over the keys [start, ctx) of its pages, merged into the partial
     softmax (m, l, acc) of its shared prefix; q [S, KVH, G, D] pre-scaled; returns the
     normalized output [S, KVH, G, D] f32 (csrc/decode_attention.cc has the layouts)."""
-    if target == ATTENTION_TARGET:
-        load()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return jax.ffi.ffi_call(target, out)(
-        q.astype(jnp.float32), k_pool, v_pool, i32(page_offset), i32(tables), i32(start),
-        i32(ctx), m, l, acc)
+    return _attention_call(target, ATTENTION_TARGET, out, q, k_pool, v_pool,
+                           (page_offset, tables, start, ctx), (m, l, acc))
 
 
 def prefix_attention(q, k_pool, v_pool, page_offset, pages, length, rows, *,
@@ -268,15 +275,12 @@ def prefix_attention(q, k_pool, v_pool, page_offset, pages, length, rows, *,
     pre-scaled, `pages` [NP, W] and `length` [NP] the prefixes, `rows` [S] 1 + each row's
     prefix (0: none) -> (m, l [S, KVH, G], acc [S, KVH, G, D]) f32, for
     `decode_attention` to continue (csrc/lane_attention.cc has the layouts)."""
-    if target == PREFIX_TARGET:
-        load()
     s, kvh, g, d = q.shape
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((s, kvh, g), f32), jax.ShapeDtypeStruct((s, kvh, g), f32),
            jax.ShapeDtypeStruct((s, kvh, g, d), f32))
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return jax.ffi.ffi_call(target, out)(
-        q.astype(f32), k_pool, v_pool, i32(page_offset), i32(pages), i32(length), i32(rows))
+    return _attention_call(target, PREFIX_TARGET, out, q, k_pool, v_pool,
+                           (page_offset, pages, length, rows))
 
 
 def prefill_attention(q, k_pool, v_pool, page_offset, tables, ctx, qlen, *,
@@ -284,13 +288,9 @@ def prefill_attention(q, k_pool, v_pool, page_offset, tables, ctx, qlen, *,
     """Causal attention of prefill blocks: q [S, NQ, KVH, G, D] pre-scaled, row r's query
     i at position ctx[r] - qlen[r] + i over keys [0, it] of its pages -> [S, NQ, KVH, G,
     D] f32, zeros past qlen (csrc/lane_attention.cc)."""
-    if target == PREFILL_TARGET:
-        load()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return jax.ffi.ffi_call(target, out)(
-        q.astype(jnp.float32), k_pool, v_pool, i32(page_offset), i32(tables), i32(ctx),
-        i32(qlen))
+    return _attention_call(target, PREFILL_TARGET, out, q, k_pool, v_pool,
+                           (page_offset, tables, ctx, qlen))
 
 
 if __name__ == "__main__":  # make install: build ahead of the first serve

@@ -406,12 +406,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceDecodeAttention, DecodeAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::AnyBuffer>()          // k pool
-                                  .Arg<ffi::AnyBuffer>()          // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset
+                              sluice::paged_attention_binding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // start
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ctx

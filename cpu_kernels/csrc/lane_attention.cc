@@ -859,24 +859,14 @@ ffi::Error PrefixAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefillAttention, PrefillAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::AnyBuffer>()          // k pool
-                                  .Arg<ffi::AnyBuffer>()          // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset
+                              sluice::paged_attention_binding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ctx
                                   .Arg<ffi::Buffer<ffi::S32>>()   // qlen
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefixAttention, PrefixAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::AnyBuffer>()          // k pool
-                                  .Arg<ffi::AnyBuffer>()          // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset
+                              sluice::paged_attention_binding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // pages
                                   .Arg<ffi::Buffer<ffi::S32>>()   // length
                                   .Arg<ffi::Buffer<ffi::S32>>()   // rows
@@ -885,7 +875,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefixAttention, PrefixAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>());  // acc
 
 // Whether bf16 pools are read through the AMX tile unit (1 where it can be, 0 where this
-// build or the OS has none); `on` >= 0 sets it (benchmarks/attention_ab.py's A/B).
+// build or the OS has none); `on` >= 0 sets it (the A/B of
+// benchmarks/experiments/attention_ab.py).
 extern "C" int sluice_lane_amx(int on) {
 #ifdef SLUICE_LANE_AMX
   if (on >= 0) lane_amx.store(on != 0);

@@ -1,5 +1,6 @@
-// The native kernels' one piece of shared plumbing: run work items on XLA's intra-op
-// thread pool (the FFI's ThreadPool context) and the calling thread together.
+// The native kernels' shared plumbing: run work items on XLA's intra-op thread pool (the
+// FFI's ThreadPool context) and the calling thread together; the FFI arguments the paged
+// attention kernels begin with.
 #pragma once
 
 #include <immintrin.h>
@@ -40,6 +41,18 @@ inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n,
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
   work();
   while (job->done.load(std::memory_order_acquire) < n) _mm_pause();
+}
+
+// The paged attention kernels' first FFI arguments: XLA's thread pool, the queries, the K
+// and V pools (f32, bf16 bit patterns or int8 rows with their scales) and the pool's
+// layer offset; each kernel appends its own.
+inline auto paged_attention_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // q
+      .Arg<xla::ffi::AnyBuffer>()               // k pool
+      .Arg<xla::ffi::AnyBuffer>()               // v pool
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>();  // offset
 }
 
 }  // namespace sluice
