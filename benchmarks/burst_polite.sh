@@ -8,10 +8,8 @@
 #   benchmarks/burst_polite.sh OUT_DIR [PORT] [SRC]
 set -eu
 cd "$(dirname "$0")/.."
-OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-18970}; SRC=${3:-$PWD}
-mkdir -p "$OUT"
 . benchmarks/serve_ready.sh
-serve_from "$SRC" "$OUT" "$PORT" ${SERVE_ARGS:-}
+serve_args 18970 "$@"
 BURST="--concurrency 64 --requests 64 --warmup-requests 0 --max-tokens 128"
 .venv/bin/python benchmarks/polite_load.py "http://127.0.0.1:$PORT" $BURST | tee "$OUT/first.json"
 sleep 60

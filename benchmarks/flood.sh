@@ -8,9 +8,7 @@
 #   FLOOD=64 SERVE_ARGS="--max-waiting 8" benchmarks/flood.sh OUT_DIR   (a small queue bound)
 set -eu
 cd "$(dirname "$0")/.."
-OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-18971}; SRC=${3:-$PWD}
-mkdir -p "$OUT"
 . benchmarks/serve_ready.sh
-serve_from "$SRC" "$OUT" "$PORT" ${SERVE_ARGS:-}
+serve_args 18971 "$@"
 .venv/bin/python benchmarks/flood.py "http://127.0.0.1:$PORT" --flood "${FLOOD:-300}" \
   | tee "$OUT/flood.json"

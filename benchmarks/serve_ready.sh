@@ -29,3 +29,14 @@ serve_from() {
     sleep 1
   done
 }
+
+# `serve_args DEFAULT_PORT OUT_DIR [PORT] [SRC]`: a script's own arguments: sets OUT
+# (absolute, created), PORT (default DEFAULT_PORT) and SRC (default this checkout), then
+# serve_from SRC OUT PORT with SERVE_ARGS' flags.
+serve_args() {
+  local default_port=$1
+  shift
+  OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-$default_port}; SRC=${3:-$PWD}
+  mkdir -p "$OUT"
+  serve_from "$SRC" "$OUT" "$PORT" ${SERVE_ARGS:-}
+}

@@ -71,6 +71,17 @@ def flatten(tree: dict) -> Iterator[tuple[str, Any]]:
             yield name, value
 
 
+def tensor_name(param: str, layer_prefix: str, layer_names: dict[str, str],
+                model_names: dict[str, str]) -> str:
+    """Our flat parameter name -> a checkpoint format's tensor name: a layer's is
+    `layer_prefix` (its "{n}" the layer's number) then `layer_names`' for the key, the
+    others' `model_names`' (a KeyError for a name the format has no tensor for)."""
+    if param.startswith("layers."):
+        _, n, key = param.split(".", 2)
+        return layer_prefix.format(n=n) + layer_names[key]
+    return model_names[param]
+
+
 def check_shape(array: np.ndarray, expected: tuple[int, ...], file: object, tensor: str) -> None:
     if tuple(array.shape) != tuple(expected):
         raise ModelLoadError(

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -217,84 +218,67 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _ragged_call(
-    q5,  # [seqs, padded_queries, kv_heads, group, head_dim]
-    k_pages,  # [num_pages, page_size, kv_heads, head_dim]
-    v_pages,  # [num_pages, page_size, kv_heads, head_dim]
-    page_tables,  # [seqs, padded_pages_per_seq] int32
-    context_lens,  # [seqs] int32
-    query_lens,  # [seqs] int32
-    *,
-    page_size: int,
-    block_q: int,
-    block_k: int,
-    scale: float,
-    precision,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
-):
-    seqs, nq, kvh, group, d = q5.shape
-    num_pages = k_pages.shape[0]
-    pps = page_tables.shape[1]
-    kernel = functools.partial(_ragged_kernel, page_size=page_size, block_k=block_k,
-                               scale_log2=scale * _LOG2E, precision=precision)
-    q_spec = pl.BlockSpec((None, block_q, None, group, d), lambda s, h, b: (s, b, h, 0, 0))
-    kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, b: (0, 0, h, 0))
-    return pl.pallas_call(
-        kernel,
-        grid=(seqs, kvh, nq // block_q),
-        in_specs=[
-            pl.BlockSpec((seqs,), lambda s, h, b: (0,)),  # context_lens
-            pl.BlockSpec((seqs,), lambda s, h, b: (0,)),  # query_lens
-            pl.BlockSpec((None, pps), lambda s, h, b: (s, 0)),  # page_tables
-            q_spec,
-            kv_spec,  # k
-            kv_spec,  # v
-        ],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
-        compiler_params=_compiler_params(num_warps, num_stages, interpret),
-        interpret=interpret,
-        name="paged_attention_ragged",
-    )(context_lens, query_lens, page_tables, q5, k_pages, v_pages)
+class _Paged(NamedTuple):
+    """What both kernels read besides the queries, and how they are compiled."""
+
+    k_pages: jax.Array  # [num_pages, page_size, kv_heads, head_dim]
+    v_pages: jax.Array  # [num_pages, page_size, kv_heads, head_dim]
+    page_tables: jax.Array  # [seqs, padded_pages_per_seq] int32
+    context_lens: jax.Array  # [seqs] int32
+    query_lens: jax.Array  # [seqs] int32
+    sizes: bs.BlockSizes  # block_k and the Triton launch parameters
+    scale: float
+    precision: Any
+    interpret: bool
 
 
-def _decode_call(
-    q4,  # [seqs, kv_heads, group, head_dim]
-    k_pages,  # [num_pages, page_size, kv_heads, head_dim]
-    v_pages,  # [num_pages, page_size, kv_heads, head_dim]
-    page_tables,  # [seqs, padded_pages_per_seq] int32
-    context_lens,  # [seqs] int32
-    query_lens,  # [seqs] int32
-    *,
-    splits: int,
-    page_size: int,
-    block_k: int,
-    scale: float,
-    precision,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
-):
-    seqs, kvh, group, d = q4.shape
-    num_pages = k_pages.shape[0]
-    pps = page_tables.shape[1]
-    kernel = functools.partial(_decode_kernel, page_size=page_size, block_k=block_k,
-                               scale_log2=scale * _LOG2E, precision=precision)
+def _paged_call(kernel, p: _Paged, q, q_spec, *, grid, out_specs, out_shape, name: str):
+    """`kernel` over `grid` (sequence, KV head, query block or split): each program gets
+    the lengths whole, its sequence's page-table row, its queries (`q_spec`) and one KV
+    head of the pool."""
+    seqs = q.shape[0]
+    num_pages, page_size, _, d = p.k_pages.shape
+    pps = p.page_tables.shape[1]
+    kernel = functools.partial(kernel, page_size=page_size, block_k=p.sizes.block_k,
+                               scale_log2=p.scale * _LOG2E, precision=p.precision)
     kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, j: (0, 0, h, 0))
-    f32 = jnp.float32
     return pl.pallas_call(
         kernel,
-        grid=(seqs, kvh, splits),
+        grid=grid,
         in_specs=[
             pl.BlockSpec((seqs,), lambda s, h, j: (0,)),  # context_lens
             pl.BlockSpec((seqs,), lambda s, h, j: (0,)),  # query_lens
             pl.BlockSpec((None, pps), lambda s, h, j: (s, 0)),  # page_tables
-            pl.BlockSpec((None, None, group, d), lambda s, h, j: (s, h, 0, 0)),  # q
+            q_spec,
             kv_spec,  # k
             kv_spec,  # v
         ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(p.sizes.num_warps, p.sizes.num_stages, p.interpret),
+        interpret=p.interpret,
+        name=name,
+    )(p.context_lens, p.query_lens, p.page_tables, q, p.k_pages, p.v_pages)
+
+
+def _ragged_call(q5, p: _Paged, *, block_q: int):
+    """q5 [seqs, padded_queries, kv_heads, group, head_dim] -> the output, same shape."""
+    seqs, nq, kvh, group, d = q5.shape
+    q_spec = pl.BlockSpec((None, block_q, None, group, d), lambda s, h, b: (s, b, h, 0, 0))
+    return _paged_call(_ragged_kernel, p, q5, q_spec, grid=(seqs, kvh, nq // block_q),
+                       out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+                       name="paged_attention_ragged")
+
+
+def _decode_call(q4, p: _Paged, *, splits: int):
+    """q4 [seqs, kv_heads, group, head_dim] -> each split's (o, m, l), as `_combine_splits`
+    takes them."""
+    seqs, kvh, group, d = q4.shape
+    f32 = jnp.float32
+    return _paged_call(
+        _decode_kernel, p, q4,
+        q_spec=pl.BlockSpec((None, None, group, d), lambda s, h, j: (s, h, 0, 0)),
+        grid=(seqs, kvh, splits),
         out_specs=[
             pl.BlockSpec((None, None, None, group, d), lambda s, h, j: (j, s, h, 0, 0)),
             pl.BlockSpec((None, None, None, group), lambda s, h, j: (j, s, h, 0)),
@@ -305,10 +289,8 @@ def _decode_call(
             jax.ShapeDtypeStruct((splits, seqs, kvh, group), f32),  # running max
             jax.ShapeDtypeStruct((splits, seqs, kvh, group), f32),  # running sum
         ],
-        compiler_params=_compiler_params(num_warps, num_stages, interpret),
-        interpret=interpret,
         name="paged_attention_decode",
-    )(context_lens, query_lens, page_tables, q4, k_pages, v_pages)
+    )
 
 
 def _combine_splits(
@@ -416,6 +398,8 @@ def paged_attention_pallas(
     key_blocks = -(-pps * page_size // block_k)
     pps_pad = -(-key_blocks * block_k // page_size)
     page_tables = jnp.pad(page_tables, ((0, 0), (0, pps_pad - pps)))
+    paged = _Paged(k_pages, v_pages, page_tables, context_lens, query_lens, sizes, scale,
+                   precision, interpret)
 
     if splits is None and queries == 1:
         splits = bs.decode_splits(seqs, kvh, pps * page_size, sizes)
@@ -424,10 +408,7 @@ def paged_attention_pallas(
         g_pad = max(_next_pow2(group), _MIN_DOT)
         q4 = q.reshape(seqs, kvh, group, d)
         q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
-        o, m, l = _decode_call(
-            q4, k_pages, v_pages, page_tables, context_lens, query_lens, splits=splits,
-            page_size=page_size, block_k=block_k, scale=scale, precision=precision,
-            num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
+        o, m, l = _decode_call(q4, paged, splits=splits)
         out = _combine_splits(o, m, l)[:, :, :group]
         return out.reshape(seqs, 1, heads, d).astype(q.dtype)
 
@@ -439,10 +420,7 @@ def paged_attention_pallas(
     nq_pad = -(-queries // block_q) * block_q
     q5 = q.reshape(seqs, queries, kvh, group, d)
     q5 = jnp.pad(q5, ((0, 0), (0, nq_pad - queries), (0, 0), (0, g_pad - group), (0, 0)))
-    out = _ragged_call(
-        q5, k_pages, v_pages, page_tables, context_lens, query_lens, page_size=page_size,
-        block_q=block_q, block_k=block_k, scale=scale, precision=precision,
-        num_warps=sizes.num_warps, num_stages=sizes.num_stages, interpret=interpret)
+    out = _ragged_call(q5, paged, block_q=block_q)
     return out[:, :queries, :, :group].reshape(seqs, queries, heads, d)
 
 

@@ -29,6 +29,14 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write as a PNG at `path` and close the figure; returns `path`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def latency_cdfs(records: Sequence[RequestRecord], path: Path, title: str = "") -> Path:
     plt = _pyplot()
     ok = [r for r in records if r.status == "ok"]
@@ -53,10 +61,7 @@ def latency_cdfs(records: Sequence[RequestRecord], path: Path, title: str = "") 
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of samples")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def itl_timeline(shorts: Sequence[RequestRecord], window: Sequence[float], path: Path,
@@ -80,10 +85,7 @@ def itl_timeline(shorts: Sequence[RequestRecord], window: Sequence[float], path:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def sweep_chart(points: Mapping[str, Sequence[Mapping[str, Any]]], path: Path,
@@ -136,10 +138,7 @@ def sweep_chart(points: Mapping[str, Sequence[Mapping[str, Any]]], path: Path,
         ax.legend(fontsize=8)
     fig.suptitle(title + "  (point labels: concurrency)" if title else
                  "point labels: concurrency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def itl_target_chart(points: Mapping[float, Sequence[Mapping[str, Any]]], path: Path,
@@ -181,7 +180,4 @@ def itl_target_chart(points: Mapping[float, Sequence[Mapping[str, Any]]], path: 
     axes[0].legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

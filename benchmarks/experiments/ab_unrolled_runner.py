@@ -32,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model.runner import ModelRunner, enable_compilation_cache  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
+from cpu_step_ab import LONG_AT, LONG_CHUNK, QUESTION, SEQS, SYSTEM  # noqa: E402
+from cpu_step_ab import workload  # noqa: E402  (a script beside this one: the same steps)
 
-SYSTEM, SEQS, QUESTION, LONG_AT, LONG_CHUNK, PS = 2000, 16, 70, 5000, 48, 16
+PS = 16
 RUNNER = dict(page_size=PS, kv_cache_bytes=1 << 30, decode_buckets=[1, 4, SEQS],
               prefill_buckets=(80, 256), dtype="float32")
 
@@ -74,16 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     warm["scan"] = round(time.perf_counter() - t, 1)
     runners = {"unrolled": old, "scan": new}
 
-    rng = np.random.default_rng(1)
-    own = rng.integers(70, 470, SEQS)
-    shared = list(range(1, 1 + SYSTEM // PS))
-    nxt, tables = 1 + len(shared) + 100, []
-    for n in own:
-        k = -(-(int(n) + 2 * args.reps + 8) // PS)
-        tables.append(shared + list(range(nxt, nxt + k)))
-        nxt += k
-    long_table = list(range(nxt, nxt + (LONG_AT + LONG_CHUNK) // PS + 1))
-    cold = list(range(long_table[-1] + 1, long_table[-1] + 2 + SYSTEM // PS))
+    own, tables, long_table, cold = workload(args.reps, PS)
     greedy = SamplingParams(temperature=0.0)
 
     def chunk(i, toks, start, table=None, sample=True):

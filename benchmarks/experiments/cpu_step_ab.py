@@ -42,6 +42,25 @@ SYSTEM, SEQS, QUESTION = 2000, 16, 70
 LONG_AT, LONG_CHUNK = 5000, 48
 
 
+def workload(reps: int, ps: int):
+    """The sequences' own prompt lengths (70-470 tokens, seeded) and the steps' page
+    tables, pages of `ps` tokens: each sequence's (the system prompt's pages, shared, then
+    room for its own tokens and `reps` rounds of decodes), the long prompt's chunk's and
+    the cold prefill's, all on distinct pages."""
+    rng = np.random.default_rng(1)
+    own = rng.integers(70, 470, SEQS)
+    shared = list(range(1, 1 + SYSTEM // ps))
+    nxt, tables = 1 + len(shared) + 100, []
+    for n in own:
+        k = -(-(int(n) + 2 * reps + 8) // ps)
+        tables.append(shared + list(range(nxt, nxt + k)))
+        nxt += k
+    long_table = list(range(nxt, nxt + (LONG_AT + LONG_CHUNK) // ps + 1))
+    nxt = long_table[-1] + 1
+    cold = list(range(nxt, nxt + SYSTEM // ps + 1))
+    return own, tables, long_table, cold
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=30)
@@ -56,15 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         r.warmup([b for b in r.buckets() if b.dec_rows in (0, 4, SEQS)])
         runners[name] = r
 
-    ps = 16
-    rng = np.random.default_rng(1)
-    own = rng.integers(70, 470, SEQS)
-    shared = list(range(1, 1 + SYSTEM // ps))
-    nxt, tables = 1 + len(shared) + 100, []
-    for n in own:
-        k = -(-(int(n) + 2 * args.reps + 8) // ps)
-        tables.append(shared + list(range(nxt, nxt + k)))
-        nxt += k
+    own, tables, long_table, cold = workload(args.reps, ps=16)
     greedy = SamplingParams(temperature=0.0)
 
     def chunk(i, toks, start):
@@ -81,9 +92,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # A chunk of a 6,000-token prompt at 5,000 tokens in, beside 4 decodes and a new
     # question (the long-interference workload when a short stream asks again).
-    long_table = list(range(nxt, nxt + (LONG_AT + LONG_CHUNK) // ps + 1))
-    nxt = long_table[-1] + 1
-
     def long_mixed(r, k):
         chunks = [chunk(i, [5], SYSTEM + int(own[i]) + k) for i in range(4)]
         chunks.append(SeqChunk(seq_id=98, token_ids=[9] * LONG_CHUNK, start_pos=LONG_AT,
@@ -95,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         decode(r, 0)
     outs = [mixed(r, 1, logits=True).logits for r in runners.values()]
     diff = max(float(np.abs(outs[0][s] - o[s]).max()) for o in outs[1:] for s in o)
-    cold = list(range(nxt, nxt + SYSTEM // ps + 1))
 
     def prefill(r, k):
         for a in range(0, SYSTEM, 256):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..base import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
-from ..base import unflatten
+from ..base import tensor_name, unflatten
 from ..config import ModelConfig
 from ..progress import progress as _progress
 from .gguf_tokenizer import tokenizer_from_gguf
@@ -30,15 +30,13 @@ _LAYER_NAMES = {
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
 }  # fmt: skip
+_MODEL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+                "lm_head": "output.weight"}
 
 
 def gguf_name(param: str) -> str:
     """Our flat parameter name -> the GGUF tensor name."""
-    if param.startswith("layers."):
-        _, n, key = param.split(".", 2)
-        return f"blk.{n}.{_LAYER_NAMES[key]}"
-    return {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
-            "lm_head": "output.weight"}[param]  # fmt: skip
+    return tensor_name(param, "blk.{n}.", _LAYER_NAMES, _MODEL_NAMES)
 
 
 def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:

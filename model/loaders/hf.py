@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..base import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
-from ..base import unflatten
+from ..base import tensor_name, unflatten
 from ..config import ModelConfig
 from ..progress import progress as _progress
 from ..tokenizer import Tokenizer
@@ -31,15 +31,13 @@ _LAYER_NAMES = {
     "w_down": "mlp.down_proj.weight", "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
 }  # fmt: skip
+_MODEL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                "lm_head": "lm_head.weight"}
 
 
 def hf_name(param: str) -> str:
     """Our flat parameter name -> the transformers state-dict key."""
-    if param.startswith("layers."):
-        _, n, key = param.split(".", 2)
-        return f"model.layers.{n}.{_LAYER_NAMES[key]}"
-    return {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-            "lm_head": "lm_head.weight"}[param]  # fmt: skip
+    return tensor_name(param, "model.layers.{n}.", _LAYER_NAMES, _MODEL_NAMES)
 
 
 def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
