@@ -46,3 +46,20 @@ def test_every_path_the_document_names_exists():
                            DOC))
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, missing
+
+
+def test_every_script_the_docs_cite_exists():
+    """README.md, docs/*.md and the benchmark READMEs name scripts where they are now
+    (the lab history, docs/history/, keeps the paths of its day)."""
+    docs = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+            *sorted((ROOT / "docs").glob("*.md"))]
+    cited = {p for doc in docs
+             for p in re.findall(r"\bbenchmarks/[\w/.-]*\.(?:py|sh)\b", doc.read_text())}
+    assert cited
+    missing = sorted(p for p in cited if not (ROOT / p).exists())
+    assert not missing, missing
+    experiments = ROOT / "benchmarks" / "experiments"
+    listed = re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", (experiments / "README.md").read_text(),
+                        re.M)
+    assert sorted(listed) == sorted(p.name for p in experiments.iterdir()
+                                    if p.suffix in (".py", ".sh"))
