@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .request import Sequence
 
 if TYPE_CHECKING:
-    from .policy import Batch
+    from .batch import Batch
 
 # The share of the TTFT target a short prompt's chunks are planned to fit in
 # (`Scheduler._short_chunk`); the rest absorbs mispredicted step times.

@@ -71,9 +71,10 @@ from config.settings import SchedulerConfig
 
 from .admission import Admission
 from .api import EngineDead, EngineStats, ErrorEvent, GenerateRequest, RequestHandle
-from .output import OutputStream
+from .batch import Batch
 from .delivery import Delivery
-from .policy import Batch, Scheduler
+from .output import OutputStream
+from .policy import Scheduler
 from .protocol import Detokenizer, Runner, RunnerLost
 from .request import Sequence
 from .step_log import StepLog, StepRecord

@@ -23,7 +23,7 @@ from .request import Phase, Sequence
 from .step_cost import chunk_work
 
 if TYPE_CHECKING:
-    from .policy import Batch
+    from .batch import Batch
 
 # What an answer is expected to add to its context before any has finished here ("a few
 # hundred tokens"); the finished ones' running average replaces it.

@@ -55,12 +55,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from config.settings import SchedulerConfig
 
 from .adapters import AdapterSlots
+from .batch import Batch
 from .background import BackgroundShare
 from .chunk_sizing import STEP_PLANS, ChunkSizing
 from .fairness import FairQueue
@@ -72,31 +72,8 @@ from .request import Phase, Sequence
 from .step_cost import StepCostModel, chunk_work
 from .step_books import StepBooks
 
-@dataclass(slots=True)
-class Batch:
-    """One step's plan and the sequences behind its chunks (``seqs[i]`` owns chunk i)."""
+__all__ = ["Batch", "STEP_PLANS", "Scheduler"]
 
-    plan: StepPlan
-    seqs: list[Sequence]
-    num_decode: int
-    preempted: list[int] = field(default_factory=list)  # seq_ids preempted while planning
-    # Sequences whose pages `plan.copies` fills (a failed step must fail them too, even
-    # those with no chunk in it).
-    copied: list[Sequence] = field(default_factory=list)
-    work: int = 0  # keys the step's attention reads (step_cost.chunk_work)
-    prefill_padded: int = 0  # prompt tokens as computed: whole query blocks
-    # Each sequence's preemption count when the step was launched: a sequence preempted
-    # (and maybe admitted again) since then has nothing to commit from this step.
-    epochs: list[int] = field(default_factory=list)
-    registered: list[int] = field(default_factory=list)  # pages it offered the prefix cache
-    # Which rule sized the step's prompt chunks (`STEP_PLANS`) and the ITL budget it was
-    # planned within (0: none): /v1/stats and the dashboard show them step by step.
-    why: str = "decode-only"
-    budget_s: float = 0.0
-
-    def predicted(self, cost: StepCostModel) -> float:
-        """The step-cost model's estimate of this step's seconds."""
-        return cost.predict(self.num_decode, self.prefill_padded, self.work)
 
 class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
     def __init__(

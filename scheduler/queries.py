@@ -9,6 +9,7 @@ estimates. They never reach into `waiting`, `pages` or `cost` themselves.
 
 from __future__ import annotations
 
+from .batch import Batch
 from .request import Phase, Sequence
 
 
@@ -84,7 +85,7 @@ class Queries:
         """Expected seconds of such a step (0 for the parts not measured yet)."""
         return self.cost.predict(num_decode, self.cost.padded(prefill_tokens))
 
-    def predict(self, batch) -> float:
+    def predict(self, batch: Batch) -> float:
         """The step-cost model's estimate of a planned step's seconds (0: not known)."""
         return batch.predicted(self.cost)
 

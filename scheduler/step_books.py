@@ -9,6 +9,7 @@ good, its pages back in the pool).
 
 from __future__ import annotations
 
+from .batch import Batch
 from .protocol import SampledToken, StepResult
 from .request import Phase, Sequence
 
@@ -19,7 +20,7 @@ _GAP_ALPHA = 0.1
 class StepBooks:
     """What a launched, committed or failed step changes in the scheduler's state."""
 
-    def observe(self, batch, seconds: float,
+    def observe(self, batch: Batch, seconds: float,
                 shape: tuple[int, int] | None = None) -> None:
         """Feed the step's measured device time (and the compiled shape it ran in) to
         the cost model."""
@@ -29,7 +30,7 @@ class StepBooks:
             gap = self._gap_s
             self._gap_s = seconds if gap is None else gap + _GAP_ALPHA * (seconds - gap)
 
-    def launched(self, batch) -> None:
+    def launched(self, batch: Batch) -> None:
         """The step is on its way (its plan packed): its chunks count as computed, and a
         chunk that samples leaves its token in flight, so the next step can be planned
         before this one's result is back (overlapped scheduling; without overlap the
@@ -51,7 +52,7 @@ class StepBooks:
                 seq.inflight += 1
                 seq.phase = Phase.DECODE
 
-    def forget(self, batch) -> list[Sequence]:
+    def forget(self, batch: Batch) -> list[Sequence]:
         """A launched step failed: the pages it offered the cache hold nothing. Returns
         the running sequences outside it that had taken them as prefix hits."""
         lost = set(batch.registered)
@@ -62,7 +63,7 @@ class StepBooks:
         return [s for s in self.running.values()
                 if id(s) not in inside and not lost.isdisjoint(s.kv_pages)]
 
-    def commit(self, batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
+    def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
         """Record what a `launched` step computed; returns the sequences that got a new
         token (the token already appended). Sequences aborted, finished or preempted
         since the launch are skipped (a token of theirs is dropped)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .policy import Batch
+from .batch import Batch
 
 
 @dataclass(frozen=True, slots=True)

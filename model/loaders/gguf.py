@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..base import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
-from ..base import tensor_name, unflatten
+from ..base import (LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype,
+                    tensor_name, unflatten)
 from ..config import ModelConfig
 from ..progress import progress as _progress
+from .gguf_reader import open_reader
 from .gguf_tokenizer import tokenizer_from_gguf
 
 SUPPORTED = ("llama", "qwen2")
@@ -53,36 +54,6 @@ def unpermute_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     """The inverse of `permute_for_gguf`: rows of (out, in) weights or of a bias."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def open_reader(path: Path):
-    """A GGUFReader, or a ModelLoadError naming the tensor a truncated file cuts off."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    class Reader(GGUFReader):
-        def _build_tensors(self, start_offs, fields):  # check bounds before gguf reshapes
-            size = len(self.data)
-            for f in fields:
-                try:
-                    _, name, _, dims, raw_type, offset = f.parts
-                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-                    end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
-                except Exception:  # an unexpected gguf version: let gguf itself decide
-                    break
-                if end > size:
-                    raise ModelLoadError(
-                        f"{path}: file is truncated: tensor {bytes(name).decode(errors='replace')}"
-                        f" needs bytes up to {end:,} but the file has {size:,}"
-                    )
-            super()._build_tensors(start_offs, fields)
-
-    try:
-        return Reader(path)
-    except ModelLoadError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- gguf raises ValueError/IndexError/KeyError...
-        msg = f"{path}: not a readable GGUF file ({type(e).__name__}: {e})"
-        raise ModelLoadError(msg) from None
 
 
 def config_from_gguf(reader, path: Path, tensor_names: set[str]) -> ModelConfig:

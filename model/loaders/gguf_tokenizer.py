@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from ..base import ModelLoadError
 from ..tokenizer import Tokenizer
+from .gguf_reader import open_reader
 
 # Pre-tokenizer regexes as llama.cpp names them in `tokenizer.ggml.pre`.
 _LLAMA3_RE = (
@@ -33,8 +34,6 @@ _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 def tokenizer_from_gguf(reader_or_path) -> Tokenizer:
     """Assemble the tokenizer from a GGUF's `tokenizer.ggml.*` metadata."""
     from gguf import GGUFReader
-
-    from .gguf import open_reader
 
     reader = reader_or_path
     if not isinstance(reader, GGUFReader):
