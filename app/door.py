@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from . import responses
 from .completions import parse, precheck_pools
 from .errors import APIError
 from .state import Phase, ServerState
 
-PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+         "/v1/responses": "responses"}
 
 
 def refusal_at_the_door(state: ServerState, kind: str, body: bytes,
@@ -36,7 +38,7 @@ def refusal_at_the_door(state: ServerState, kind: str, body: bytes,
         return None
     try:
         state.tenants.authenticate(authorization)  # (the key first, as `admit` checks it)
-        p = parse(kind, body)
+        p = responses.parse(body)[0] if kind == "responses" else parse(kind, body)
         candidates = state.router.candidates(p.req.model)
         precheck_pools(candidates, p.max_tokens)
     except APIError as e:

@@ -12,6 +12,7 @@ import functools
 import msgspec
 
 from .errors import ErrorBody
+from .responses import ResponsesRequest
 from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                       CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health,
                       LoadLoraAdapterRequest, LoraAdapterCard, ModelList, TokenizeRequest,
@@ -22,7 +23,7 @@ from .stats_schema import Stats
 _TYPES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
           ChatCompletion, ChatCompletionChunk, Completion, ModelList, TokenizeResponse,
           DetokenizeResponse, Health, ErrorBody, LoadLoraAdapterRequest, LoraAdapterCard,
-          UnloadLoraAdapterRequest, Stats)
+          UnloadLoraAdapterRequest, Stats, ResponsesRequest)
 _REF = "#/components/schemas/{name}"
 
 
@@ -68,7 +69,7 @@ def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
     _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     if model_names:
         names = {"type": "string", "enum": list(model_names)}
-        for req in ("ChatCompletionRequest", "CompletionRequest"):
+        for req in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
             components[req]["properties"]["model"] = names
         for req in ("TokenizeRequest", "DetokenizeRequest"):
             components[req]["properties"]["model"] = {"anyOf": [names, {"type": "null"}],
@@ -78,6 +79,22 @@ def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
                                           ChatCompletion, ChatCompletionChunk),
         "/v1/completions": _generate("Text completion", CompletionRequest, Completion,
                                      Completion),
+        "/v1/responses": {"post": {
+            "summary": "A response (OpenAI's Responses API), over the chat path",
+            "security": [{"bearer": []}, {}],
+            "requestBody": {"required": True, "content": _json(ResponsesRequest)},
+            "responses": {
+                "200": {"description": "A `response` object, or with `stream` an SSE stream "
+                                       "of Responses events (`response.created` ... "
+                                       "`response.completed`)",
+                        "content": {"application/json": {"schema": {"type": "object"}},
+                                    "text/event-stream": {"schema": {
+                                        "type": "object", "required": ["data"],
+                                        "properties": {"event": {"type": "string"},
+                                                       "data": {"type": "string"}}}}}},
+                **_errors(400, 401, 404, 413, 429, 503),
+            },
+        }},
         "/v1/models": {"get": {"summary": "Served models", "responses": {
             "200": {"description": "Models", "content": _json(ModelList)},
             **_errors(401, 503)}}},

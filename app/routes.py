@@ -14,6 +14,7 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from . import responses
 from .adapters import check_admin, is_admin, load_adapter, unload_adapter
 from .batches.routes import register_batch_routes
 from .console import register_console
@@ -47,15 +48,23 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
 
     async def generate(kind: str) -> Response:
         body = await request.get_data(cache=False)
-        adm = await admit(state, kind, body, request.headers.get("Authorization"))
+        authorization = request.headers.get("Authorization")
+        r = None  # a Responses request: its own output shape over the chat path
+        if kind == "responses":
+            adm, r = await responses.admit(state, body, authorization)
+        else:
+            adm = await admit(state, kind, body, authorization)
         request.scope.setdefault(FLIGHTS_KEY, []).append(adm.flight)
         gates = None  # an output gate per choice
         if state.guard.checks_output:
             gates = functools.partial(OutputGate, state.guard, tenant=adm.tenant.name,
                                       model=adm.model)
         if not adm.stream:
-            return Response(await collect(adm, gates), content_type="application/json")
-        body_iter = sse_body(adm, gates, server.sse_coalesce, server.sse_flush_interval_s)
+            out = await collect(adm, gates)
+            return Response(out if r is None else responses.from_chat(out, adm, r),
+                            content_type="application/json")
+        body_iter = sse_body(adm, gates, server.sse_coalesce, server.sse_flush_interval_s,
+                             writer=None if r is None else responses.ResponsesWriter(adm, r))
         resp = Response(body_iter, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # an SSE stream lasts as long as the generation does
@@ -68,6 +77,10 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
         return await generate("completion")
+
+    @app.post("/v1/responses")
+    async def create_response() -> Response:
+        return await generate("responses")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -258,12 +258,14 @@ def usage_of_all(adm: Admitted, ends: list[FinishEvent | None]) -> Usage:
 
 
 async def sse_body(adm: Admitted, make_gate, coalesce: bool,
-                   flush_interval_s: float = 0.0) -> AsyncIterator[bytes]:
+                   flush_interval_s: float = 0.0, writer=None) -> AsyncIterator[bytes]:
     """The SSE stream for one admitted request (closes its flight however it ends).
-    `make_gate`: a new output gate per choice (None: no output check)."""
+    `make_gate`: a new output gate per choice (None: no output check); `writer`: what
+    renders the events (None: chat or completion chunks, `ChunkWriter`; the Responses
+    API's, app/responses.py)."""
     flight = adm.flight
     try:
-        w = ChunkWriter(adm)
+        w = writer or ChunkWriter(adm)
         reader = Reader(adm, coalesce)
         choices = [_Choice(make_gate) for _ in range(adm.n)]
         head = w.start()

@@ -36,3 +36,13 @@ def test_every_completion_parameter_has_a_row():
         if f"`stream_options.{name}`" not in rows:
             missing.append(f"StreamOptions.{name}")
     assert not missing, missing
+
+
+def test_every_responses_parameter_has_a_row():
+    components = json.loads(openapi_spec())["components"]["schemas"]
+    text = DOC.read_text()
+    section = text.split("## Responses", 1)[1].split("\n## ", 1)[0]
+    rows = "\n".join(line for line in section.splitlines() if line.startswith("| "))
+    missing = [name for name in components["ResponsesRequest"]["properties"]
+               if f"`{name}`" not in rows]
+    assert not missing, missing

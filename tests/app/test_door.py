@@ -30,10 +30,13 @@ async def test_a_refusal_is_answered_before_the_app(monkeypatch: pytest.MonkeyPa
     # max_waiting 0: the precheck refuses every interactive request.
     async with serve(settings(max_waiting=0)) as srv:
         monkeypatch.setattr(app.routes, "admit", never)
+        monkeypatch.setattr(app.routes.responses, "admit", never)
         async with srv.client() as http:
             for path, body in (("/v1/chat/completions", _body()),
                                ("/v1/completions", {"model": MODEL, "prompt": "p",
-                                                    "max_tokens": 4, "stream": True})):
+                                                    "max_tokens": 4, "stream": True}),
+                               ("/v1/responses", {"model": MODEL, "input": "p",
+                                                  "max_output_tokens": 4})):
                 payload = httpx.Request("POST", "/", json=body).content
                 r = await http.post(path, content=_chunked(payload),
                                     headers={"content-type": "application/json"})

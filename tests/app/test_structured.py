@@ -1,6 +1,7 @@
 """Structured output, logit bias and the parameters real clients send, end to end.
 
 On the embedded SmolLM2 with the official openai client: `beta.chat.completions.parse`
+(and the Responses API's `responses.parse` and `.stream` with `text_format`)
 with a Pydantic model returns the parsed object (and LangChain's
 `ChatOpenAI.with_structured_output` too), JSON mode returns a JSON object, a
 choice returns one of the choices, a logit bias of -100 on the greedy token changes it,
@@ -66,6 +67,19 @@ async def test_structured_output_and_logit_bias_on_the_embedded_model(embedded_g
             model=model, messages=ask, temperature=0, max_tokens=60,
             response_format={"type": "json_object"})
         assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+        # The Responses API's `text.format` (app/responses.py): the SDK's parse, and its
+        # stream, whose final response carries the same answer.
+        resp = await client.responses.parse(model=model, input=ask[0]["content"],
+                                            text_format=Capital, temperature=0,
+                                            max_output_tokens=60)
+        assert resp.status == "completed" and isinstance(resp.output_parsed, Capital), resp
+        async with client.responses.stream(model=model, input=ask[0]["content"],
+                                           text_format=Capital, temperature=0,
+                                           max_output_tokens=60) as s:
+            final = await s.get_final_response()
+        assert final.output_text == resp.output_text
+        assert final.output_parsed == resp.output_parsed
 
         r = await client.chat.completions.create(
             model=model, messages=QUESTION, temperature=0.7, seed=3, max_tokens=10,

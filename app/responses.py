@@ -1,0 +1,286 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat path.
+
+A Responses request is a chat request in another shape: `instructions` is the system
+message, `input` a string (one user message) or message items, `max_output_tokens` the
+answer's bound, `text.format` structured output. `parse` turns the body into the chat
+request the rest of admission takes (`completions.admit_parsed`: tenant, pool, context,
+quotas, the door), so a response is admitted, scheduled, cancelled on disconnect and
+metered exactly as a chat completion is. What differs is the output's shape:
+
+- without `stream`: one `response` object (`output[0]` the assistant message, its
+  `output_text`; `status` "incomplete" with `incomplete_details.reason`
+  "max_output_tokens" when the bound cut it; `usage` as input/output tokens);
+- with `stream`: the Responses event sequence (`ResponsesWriter`): `response.created`,
+  `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
+  `response.output_text.delta` per write, then `.output_text.done`,
+  `.content_part.done`, `.output_item.done` and `response.completed` (or
+  `response.incomplete`) carrying the whole response; an error mid-stream is an `error`
+  event. The deltas concatenate to the non-streamed text.
+
+Not served yet, and refused with a 400 naming the parameter rather than ignored:
+`previous_response_id` (responses are not stored: `store` is accepted and the response
+says `"store": false`), `tools` (tool calls are not parsed from the output yet).
+docs/api.md lists every parameter's status.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+import trio
+from msgspec import Meta
+
+from .completions import Admitted, Parsed, admit_parsed, check_phase
+from .errors import bad_request
+from .prompts import chat_checks
+from .schemas import (ChatCompletionRequest, ChatMessage, JsonObjectFormat, JsonSchemaFormat,
+                      JsonSchemaSpec, PromptTokensDetails, TextPart, Usage,
+                      decode_body)
+from .streaming import sse_data
+from .structured import grammar_of
+
+_decode_chat = msgspec.json.Decoder().decode
+
+
+# ------------------------------------------------------------------------------ request
+class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
+    text: str
+
+
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type",
+                 forbid_unknown_fields=True, kw_only=True):
+    """An earlier answer's text, sent back as input (an assistant message item)."""
+
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A message item of `input` (image, file and audio parts are refused: text models)."""
+
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText | OutputText]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class TextFormatText(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+class TextFormatJsonObject(msgspec.Struct, tag="json_object", tag_field="type",
+                           forbid_unknown_fields=True):
+    pass
+
+
+class TextFormatJsonSchema(msgspec.Struct, tag="json_schema", tag_field="type",
+                           forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, Meta(max_length=64)] = "response"
+    schema: dict | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    format: TextFormatText | TextFormatJsonObject | TextFormatJsonSchema | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    input: str | Annotated[list[InputMessage], Meta(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    user: Annotated[str, Meta(max_length=256)] | None = None
+    metadata: Annotated[dict[str, Annotated[str, Meta(max_length=512)]],
+                        Meta(max_length=16)] | None = None
+    # Accepted with the only values this server honours (docs/api.md).
+    store: bool | None = None  # nothing is stored: the response says "store": false
+    previous_response_id: str | None = None  # refused when given: nothing is stored
+    tools: list[dict] | None = None  # refused when non-empty: no tool calls yet
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
+
+
+def parse(body: bytes) -> tuple[Parsed, ResponsesRequest]:
+    """A Responses body as the chat request admission takes (400 naming the parameter)."""
+    r = decode_body(body, ResponsesRequest)
+    if r.previous_response_id is not None:
+        raise bad_request("This server does not store responses, so `previous_response_id` "
+                          "cannot be followed; send the conversation in `input`.",
+                          param="previous_response_id", code="unsupported_value")
+    if r.tools:
+        raise bad_request("Tool calls are not served yet; send `tools` empty or not at all.",
+                          param="tools", code="unsupported_value")
+    messages = [ChatMessage("system", r.instructions)] if r.instructions else []
+    if isinstance(r.input, str):
+        messages.append(ChatMessage("user", r.input))
+    else:
+        messages += [ChatMessage(m.role, m.content if isinstance(m.content, str)
+                                 else [TextPart("text", m.text())]) for m in r.input]
+    fmt = r.text.format if r.text is not None else None
+    response_format = None
+    if isinstance(fmt, TextFormatJsonObject):
+        response_format = JsonObjectFormat()
+    elif isinstance(fmt, TextFormatJsonSchema):
+        response_format = JsonSchemaFormat(JsonSchemaSpec(
+            name=fmt.name, schema=fmt.schema, strict=fmt.strict, description=fmt.description))
+    chat = ChatCompletionRequest(
+        model=r.model, messages=messages, max_completion_tokens=r.max_output_tokens,
+        temperature=r.temperature, top_p=r.top_p, stream=r.stream, user=r.user,
+        metadata=r.metadata, response_format=response_format)
+    return Parsed(chat, chat_checks(chat), None, grammar_of(chat)), r
+
+
+async def admit(state, body: bytes, authorization: str | None
+                ) -> tuple[Admitted, ResponsesRequest]:
+    """`completions.admit` for a Responses body: the same checks in the same order."""
+    arrival = trio.current_time()
+    check_phase(state)
+    tenant = state.tenants.authenticate(authorization)
+    parsed, r = parse(body)
+    return await admit_parsed(state, "chat", parsed, tenant, arrival), r
+
+
+# ----------------------------------------------------------------------------- response
+class _Ids:
+    """The response's and its message's ids, and when it was created."""
+
+    def __init__(self) -> None:
+        self.response = f"resp_{uuid.uuid4().hex}"
+        self.message = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+
+def _usage(usage: Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}
+
+
+def _message(ids: _Ids, text: str | None, status: str) -> dict:
+    content = [] if text is None else [
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": ids.message, "status": status, "role": "assistant",
+            "content": content}
+
+
+def response_object(ids: _Ids, adm: Admitted, r: ResponsesRequest, *, status: str,
+                    text: str | None = None, finish: str | None = None,
+                    usage: Usage | None = None) -> dict:
+    """The `response` object: in progress (no output yet) or ended with `text`, its
+    finish reason deciding "completed" or "incomplete"."""
+    incomplete = None
+    if status != "in_progress":
+        if finish == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        elif finish == "content_filter":
+            status, incomplete = "incomplete", {"reason": "content_filter"}
+    item_status = "completed" if status == "completed" else "incomplete"
+    fmt = {"type": "text"}
+    if r.text is not None and r.text.format is not None:
+        fmt = msgspec.to_builtins(r.text.format)
+    return {
+        "id": ids.response, "object": "response", "created_at": ids.created,
+        "status": status, "model": adm.model, "error": None,
+        "incomplete_details": incomplete, "instructions": r.instructions,
+        "max_output_tokens": r.max_output_tokens,
+        "output": [] if status == "in_progress" else [_message(ids, text, item_status)],
+        "parallel_tool_calls": bool(r.parallel_tool_calls), "previous_response_id": None,
+        "store": False, "temperature": r.temperature, "top_p": r.top_p,
+        "text": {"format": fmt}, "tool_choice": r.tool_choice or "none", "tools": [],
+        "truncation": "disabled", "metadata": r.metadata or {}, "user": r.user,
+        "usage": _usage(usage)}
+
+
+def from_chat(body: bytes, adm: Admitted, r: ResponsesRequest) -> bytes:
+    """The non-streamed response, from the chat completion `streaming.collect` made."""
+    chat = _decode_chat(body)
+    choice = chat["choices"][0]
+    u = chat["usage"]
+    details = u.get("prompt_tokens_details") or {}
+    usage = Usage(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"],
+                  PromptTokensDetails(details.get("cached_tokens", 0)))
+    obj = response_object(_Ids(), adm, r, status="completed",
+                          text=choice["message"]["content"], finish=choice["finish_reason"],
+                          usage=usage)
+    return msgspec.json.encode(obj)
+
+
+class ResponsesWriter:
+    """Renders the Responses stream's events for one admitted request (`streaming.sse_body`
+    drives it as it drives the chat writer: start, tokens, finish_choice, end, error)."""
+
+    def __init__(self, adm: Admitted, r: ResponsesRequest) -> None:
+        self.adm, self.r, self.ids = adm, r, _Ids()
+        self.seq = 0
+        self.parts: list[str] = []
+        self.reason: str | None = None
+
+    def _event(self, kind: str, **fields) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\n".encode() + sse_data(obj)
+
+    def _where(self) -> dict:
+        return {"item_id": self.ids.message, "output_index": 0, "content_index": 0}
+
+    def start(self) -> bytes:
+        head = response_object(self.ids, self.adm, self.r, status="in_progress")
+        return (self._event("response.created", response=head)
+                + self._event("response.in_progress", response=head)
+                + self._event("response.output_item.added", output_index=0,
+                              item=_message(self.ids, None, "in_progress"))
+                + self._event("response.content_part.added", **self._where(),
+                              part={"type": "output_text", "text": "", "annotations": [],
+                                    "logprobs": []}))
+
+    def tokens(self, text: str, events: list, index: int = 0) -> bytes:
+        if not text:
+            return b""
+        self.parts.append(text)
+        return self._event("response.output_text.delta", **self._where(), delta=text,
+                           logprobs=[])
+
+    def finish_choice(self, reason: str, index: int = 0) -> bytes:
+        self.reason = reason
+        return b""
+
+    def end(self, usage: Usage | None) -> bytes:
+        text = "".join(self.parts)
+        done = response_object(self.ids, self.adm, self.r, status="completed", text=text,
+                               finish=self.reason, usage=usage)
+        item = done["output"][0]
+        final = "response.completed" if done["status"] == "completed" else "response.incomplete"
+        return (self._event("response.output_text.done", **self._where(), text=text,
+                            logprobs=[])
+                + self._event("response.content_part.done", **self._where(),
+                              part=item["content"][0])
+                + self._event("response.output_item.done", output_index=0, item=item)
+                + self._event(final, response=done))
+
+    def error(self, ev) -> bytes:
+        # `error` names the failure as chat streams do, so the official clients raise it.
+        code = ev.kind or "server_error"
+        return self._event("error", code=code, message=ev.message, param=None,
+                           error={"message": ev.message, "type": "server_error", "code": code})
