@@ -25,6 +25,7 @@ _TYPES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeR
           DetokenizeResponse, Health, ErrorBody, LoadLoraAdapterRequest, LoraAdapterCard,
           UnloadLoraAdapterRequest, Stats, ResponsesRequest)
 _REF = "#/components/schemas/{name}"
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _ref(t: type) -> dict:
@@ -95,6 +96,20 @@ def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
                 **_errors(400, 401, 404, 413, 429, 503),
             },
         }},
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "A stored response (the tenant's own)",
+                    "security": [{"bearer": []}, {}], "parameters": [_RESPONSE_ID],
+                    "responses": {"200": {"description": "The `response` object",
+                                          "content": {"application/json": {
+                                              "schema": {"type": "object"}}}},
+                                  **_errors(401, 404)}},
+            "delete": {"summary": "Remove a stored response (the tenant's own)",
+                       "security": [{"bearer": []}, {}], "parameters": [_RESPONSE_ID],
+                       "responses": {"200": {"description": "Deleted",
+                                             "content": {"application/json": {
+                                                 "schema": {"type": "object"}}}},
+                                     **_errors(401, 404)}},
+        },
         "/v1/models": {"get": {"summary": "Served models", "responses": {
             "200": {"description": "Models", "content": _json(ModelList)},
             **_errors(401, 503)}}},

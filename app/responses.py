@@ -17,14 +17,18 @@ metered exactly as a chat completion is. What differs is the output's shape:
   `response.incomplete`) carrying the whole response; an error mid-stream is an `error`
   event. The deltas concatenate to the non-streamed text.
 
-Not served yet, and refused with a 400 naming the parameter rather than ignored:
-`previous_response_id` (responses are not stored: `store` is accepted and the response
-says `"store": false`), `tools` (tool calls are not parsed from the output yet).
-docs/api.md lists every parameter's status.
+Kept responses: with the batch store on (`[batches]`, the default), a response is kept,
+with the conversation it ends, for `response_retention_s` (30 days), unless the request
+says `store: false`; `previous_response_id` continues such a conversation (the tenant's
+own: another tenant's is a 404, as if absent), `GET` / `DELETE /v1/responses/{id}` read
+and remove one. Not served yet, and refused with a 400 naming it rather than ignored:
+`tools` (tool calls are not parsed from the output yet). docs/api.md lists every
+parameter's status.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -34,13 +38,14 @@ import trio
 from msgspec import Meta
 
 from .completions import Admitted, Parsed, admit_parsed, check_phase
-from .errors import bad_request
+from .errors import bad_request, not_found
 from .prompts import chat_checks
 from .schemas import (ChatCompletionRequest, ChatMessage, JsonObjectFormat, JsonSchemaFormat,
                       JsonSchemaSpec, PromptTokensDetails, TextPart, Usage,
                       decode_body)
 from .streaming import sse_data
 from .structured import grammar_of
+from .tenants import Tenant
 
 _decode_chat = msgspec.json.Decoder().decode
 
@@ -117,17 +122,25 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     truncation: Literal["disabled"] | None = None
 
 
-def parse(body: bytes) -> tuple[Parsed, ResponsesRequest]:
-    """A Responses body as the chat request admission takes (400 naming the parameter)."""
+def turns(r: ResponsesRequest) -> list[dict]:
+    """The request's input as conversation turns ({"role", "content"}: text)."""
+    if isinstance(r.input, str):
+        return [{"role": "user", "content": r.input}]
+    return [{"role": m.role, "content": m.text()} for m in r.input]
+
+
+def parse(body: bytes, previous: list[dict] | None = None
+          ) -> tuple[Parsed, ResponsesRequest]:
+    """A Responses body as the chat request admission takes (400 naming the parameter):
+    `instructions` first, then the `previous` turns (a stored response's conversation,
+    when `previous_response_id` names one), then the input. (Without `previous`, a
+    `previous_response_id` is left to `admit`, which looks it up.)"""
     r = decode_body(body, ResponsesRequest)
-    if r.previous_response_id is not None:
-        raise bad_request("This server does not store responses, so `previous_response_id` "
-                          "cannot be followed; send the conversation in `input`.",
-                          param="previous_response_id", code="unsupported_value")
     if r.tools:
         raise bad_request("Tool calls are not served yet; send `tools` empty or not at all.",
                           param="tools", code="unsupported_value")
     messages = [ChatMessage("system", r.instructions)] if r.instructions else []
+    messages += [ChatMessage(m["role"], m["content"]) for m in previous or ()]
     if isinstance(r.input, str):
         messages.append(ChatMessage("user", r.input))
     else:
@@ -147,14 +160,53 @@ def parse(body: bytes) -> tuple[Parsed, ResponsesRequest]:
     return Parsed(chat, chat_checks(chat), None, grammar_of(chat)), r
 
 
+class Stored:
+    """Where responses are kept (the batch store's SQLite, app/batches/store.py) for one
+    request: its tenant's, with the conversation before it."""
+
+    def __init__(self, state, tenant: Tenant, previous: list[dict]) -> None:
+        self.state, self.tenant, self.previous = state, tenant, previous
+
+    def keeps(self, r: ResponsesRequest) -> bool:
+        """Whether the response will be kept: asked (`store` not false) and a store here."""
+        return r.store is not False and self.state.batches is not None
+
+    async def save(self, r: ResponsesRequest, obj: dict) -> None:
+        """Keep `obj` (the ended response) and the conversation it ends, if `keeps`."""
+        if not self.keeps(r):
+            return
+        batches = self.state.batches
+        text = "".join(c.get("text", "") for item in obj["output"] for c in item["content"])
+        conversation = [*self.previous, *turns(r), {"role": "assistant", "content": text}]
+        await batches.store.add_response(
+            obj["id"], self.tenant.name, json.dumps(conversation).encode(),
+            msgspec.json.encode(obj), self.state.settings.batches.response_retention_s)
+
+
+async def own(state, response_id: str, tenant: Tenant, param: str | None = None) -> dict:
+    """A stored response of this tenant's (another tenant's, or none: 404, as if absent)."""
+    row = None if state.batches is None else await state.batches.store.response(response_id)
+    if row is None or row["tenant"] != tenant.name:
+        raise not_found(f"Response with id '{response_id}' not found.", param=param,
+                        code="response_not_found")
+    return row
+
+
 async def admit(state, body: bytes, authorization: str | None
-                ) -> tuple[Admitted, ResponsesRequest]:
-    """`completions.admit` for a Responses body: the same checks in the same order."""
+                ) -> tuple[Admitted, ResponsesRequest, Stored]:
+    """`completions.admit` for a Responses body: the same checks in the same order, and
+    a `previous_response_id` looked up (the tenant's own, 404 otherwise)."""
     arrival = trio.current_time()
     check_phase(state)
     tenant = state.tenants.authenticate(authorization)
     parsed, r = parse(body)
-    return await admit_parsed(state, "chat", parsed, tenant, arrival), r
+    previous: list[dict] = []
+    if r.previous_response_id is not None:
+        row = await own(state, r.previous_response_id, tenant, "previous_response_id")
+        previous = json.loads(row["conversation"])
+        parsed, r = parse(body, previous)
+    adm = await admit_parsed(state, "chat", parsed, tenant, arrival)
+    return adm, r, Stored(state, tenant, previous)
 
 
 # ----------------------------------------------------------------------------- response
@@ -187,7 +239,7 @@ def _message(ids: _Ids, text: str | None, status: str) -> dict:
 
 def response_object(ids: _Ids, adm: Admitted, r: ResponsesRequest, *, status: str,
                     text: str | None = None, finish: str | None = None,
-                    usage: Usage | None = None) -> dict:
+                    usage: Usage | None = None, store: bool = False) -> dict:
     """The `response` object: in progress (no output yet) or ended with `text`, its
     finish reason deciding "completed" or "incomplete"."""
     incomplete = None
@@ -206,15 +258,17 @@ def response_object(ids: _Ids, adm: Admitted, r: ResponsesRequest, *, status: st
         "incomplete_details": incomplete, "instructions": r.instructions,
         "max_output_tokens": r.max_output_tokens,
         "output": [] if status == "in_progress" else [_message(ids, text, item_status)],
-        "parallel_tool_calls": bool(r.parallel_tool_calls), "previous_response_id": None,
-        "store": False, "temperature": r.temperature, "top_p": r.top_p,
+        "parallel_tool_calls": bool(r.parallel_tool_calls),
+        "previous_response_id": r.previous_response_id,
+        "store": store, "temperature": r.temperature, "top_p": r.top_p,
         "text": {"format": fmt}, "tool_choice": r.tool_choice or "none", "tools": [],
         "truncation": "disabled", "metadata": r.metadata or {}, "user": r.user,
         "usage": _usage(usage)}
 
 
-def from_chat(body: bytes, adm: Admitted, r: ResponsesRequest) -> bytes:
-    """The non-streamed response, from the chat completion `streaming.collect` made."""
+async def finish(body: bytes, adm: Admitted, r: ResponsesRequest, stored: Stored) -> bytes:
+    """The non-streamed response, from the chat completion `streaming.collect` made; kept
+    before it is answered (a next turn may name it at once)."""
     chat = _decode_chat(body)
     choice = chat["choices"][0]
     u = chat["usage"]
@@ -223,7 +277,8 @@ def from_chat(body: bytes, adm: Admitted, r: ResponsesRequest) -> bytes:
                   PromptTokensDetails(details.get("cached_tokens", 0)))
     obj = response_object(_Ids(), adm, r, status="completed",
                           text=choice["message"]["content"], finish=choice["finish_reason"],
-                          usage=usage)
+                          usage=usage, store=stored.keeps(r))
+    await stored.save(r, obj)
     return msgspec.json.encode(obj)
 
 
@@ -231,8 +286,9 @@ class ResponsesWriter:
     """Renders the Responses stream's events for one admitted request (`streaming.sse_body`
     drives it as it drives the chat writer: start, tokens, finish_choice, end, error)."""
 
-    def __init__(self, adm: Admitted, r: ResponsesRequest) -> None:
-        self.adm, self.r, self.ids = adm, r, _Ids()
+    def __init__(self, adm: Admitted, r: ResponsesRequest, stored: Stored) -> None:
+        self.adm, self.r, self.ids, self.stored = adm, r, _Ids(), stored
+        self.done: dict | None = None  # the ended response, once `end` made it
         self.seq = 0
         self.parts: list[str] = []
         self.reason: str | None = None
@@ -246,7 +302,8 @@ class ResponsesWriter:
         return {"item_id": self.ids.message, "output_index": 0, "content_index": 0}
 
     def start(self) -> bytes:
-        head = response_object(self.ids, self.adm, self.r, status="in_progress")
+        head = response_object(self.ids, self.adm, self.r, status="in_progress",
+                               store=self.stored.keeps(self.r))
         return (self._event("response.created", response=head)
                 + self._event("response.in_progress", response=head)
                 + self._event("response.output_item.added", output_index=0,
@@ -269,7 +326,8 @@ class ResponsesWriter:
     def end(self, usage: Usage | None) -> bytes:
         text = "".join(self.parts)
         done = response_object(self.ids, self.adm, self.r, status="completed", text=text,
-                               finish=self.reason, usage=usage)
+                               finish=self.reason, usage=usage, store=self.stored.keeps(self.r))
+        self.done = done
         item = done["output"][0]
         final = "response.completed" if done["status"] == "completed" else "response.incomplete"
         return (self._event("response.output_text.done", **self._where(), text=text,
@@ -278,6 +336,12 @@ class ResponsesWriter:
                               part=item["content"][0])
                 + self._event("response.output_item.done", output_index=0, item=item)
                 + self._event(final, response=done))
+
+    async def ended(self) -> None:
+        """Kept before the last event goes out (`sse_body` awaits it): a next turn may
+        name this response as soon as its client has it."""
+        if self.done is not None:
+            await self.stored.save(self.r, self.done)
 
     def error(self, ev) -> bytes:
         # `error` names the failure as chat streams do, so the official clients raise it.

@@ -51,7 +51,7 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         authorization = request.headers.get("Authorization")
         r = None  # a Responses request: its own output shape over the chat path
         if kind == "responses":
-            adm, r = await responses.admit(state, body, authorization)
+            adm, r, stored = await responses.admit(state, body, authorization)
         else:
             adm = await admit(state, kind, body, authorization)
         request.scope.setdefault(FLIGHTS_KEY, []).append(adm.flight)
@@ -61,10 +61,11 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
                                       model=adm.model)
         if not adm.stream:
             out = await collect(adm, gates)
-            return Response(out if r is None else responses.from_chat(out, adm, r),
+            return Response(out if r is None else await responses.finish(out, adm, r, stored),
                             content_type="application/json")
+        writer = None if r is None else responses.ResponsesWriter(adm, r, stored)
         body_iter = sse_body(adm, gates, server.sse_coalesce, server.sse_flush_interval_s,
-                             writer=None if r is None else responses.ResponsesWriter(adm, r))
+                             writer=writer)
         resp = Response(body_iter, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # an SSE stream lasts as long as the generation does
@@ -81,6 +82,20 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
     @app.post("/v1/responses")
     async def create_response() -> Response:
         return await generate("responses")
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> Response:
+        tenant = state.tenants.authenticate(request.headers.get("Authorization"))
+        row = await responses.own(state, response_id, tenant)
+        return Response(row["response"], content_type="application/json")
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> Response:
+        tenant = state.tenants.authenticate(request.headers.get("Authorization"))
+        await responses.own(state, response_id, tenant)
+        await state.batches.store.delete_response(response_id)
+        return json_response({"id": response_id, "object": "response.deleted",
+                              "deleted": True})
 
     @app.get("/v1/models")
     async def models() -> Response:

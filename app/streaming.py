@@ -295,7 +295,10 @@ async def sse_body(adm: Admitted, make_gate, coalesce: bool,
                 if c.reason is not None:
                     out += w.finish_choice(c.reason, index)
             if all(c.reason is not None for c in choices):
-                yield out + w.end(usage_of_all(adm, [c.end for c in choices]))
+                out += w.end(usage_of_all(adm, [c.end for c in choices]))
+                if (ended := getattr(w, "ended", None)) is not None:
+                    await ended()  # (a stored response: kept before its client has it)
+                yield out
                 return
             if out:
                 yield out

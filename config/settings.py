@@ -339,6 +339,9 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Batch requests handed to each replica's engine at once (the rest wait in the store).
     max_in_flight: Positive = 16
     max_window_s: Annotated[float, msgspec.Meta(gt=0)] = 30 * 86400.0
+    # The same store keeps `/v1/responses` answers (`store`, `previous_response_id`,
+    # `GET /v1/responses/{id}`) this long, as OpenAI does (30 days).
+    response_retention_s: Annotated[float, msgspec.Meta(gt=0)] = 30 * 86400.0
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,7 +1,9 @@
 """The durable batch store: one SQLite file (the standard library's sqlite3, WAL mode).
 
-What is in it: uploaded files (their bytes), batches (OpenAI's fields and counts) and one
-row per request line (its body, and once done its output line). A request's result and
+What is in it: uploaded files (their bytes), batches (OpenAI's fields and counts), one
+row per request line (its body, and once done its output line), and stored responses
+(`/v1/responses` with `store`: the conversation so far and the response object, kept
+`response_retention_s`). A request's result and
 the batch's counts change in one transaction, so after a crash every accepted request is
 either done exactly once or still pending (and is run again): none is lost, none appears
 twice. Output and error files are assembled from the rows when a batch finalizes.
@@ -50,6 +52,12 @@ MIGRATIONS: list[str] = [
         url TEXT NOT NULL, body BLOB NOT NULL, state TEXT NOT NULL, result BLOB,
         cost INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, idx));
     CREATE INDEX requests_state ON requests (batch_id, state, idx);
+    """,
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at INTEGER NOT NULL,
+        conversation BLOB NOT NULL, response BLOB NOT NULL);
+    CREATE INDEX responses_created ON responses (created_at);
     """,
 ]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -263,6 +271,26 @@ class Store:
     def count_pending(self, batch_id: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM requests WHERE batch_id = ? AND "
                                "state = 'pending'", (batch_id,)).fetchone()[0]
+
+
+    # -- stored responses (app/responses.py) ----------------------------------------------
+    def add_response(self, response_id: str, tenant: str, conversation: bytes,
+                     response: bytes, keep_s: float) -> None:
+        """Store a response; those older than `keep_s` go in the same transaction."""
+        now = int(time.time())
+        with self._tx():
+            self.db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
+                            (response_id, tenant, now, conversation, response))
+            self.db.execute("DELETE FROM responses WHERE created_at < ?", (now - keep_s,))
+
+    def response(self, response_id: str) -> dict | None:
+        row = self.db.execute("SELECT id, tenant, created_at, conversation, response "
+                              "FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return dict(row) if row else None
+
+    def delete_response(self, response_id: str) -> None:
+        with self._tx():
+            self.db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
 
 
 class _Tx:

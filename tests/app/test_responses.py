@@ -3,7 +3,8 @@ server with the fake runner (tests/app/harness.py: chat answers run to max token
 token a letter): text out as the `response` object and as the Responses event stream
 (whose deltas concatenate to the non-streamed text), instructions and message items in,
 `max_output_tokens` as an "incomplete" status, usage, a client that leaves mid-stream
-(its pages freed), and bad input as OpenAI-shaped 400s naming the parameter.
+(its pages freed), stored responses (two turns by `previous_response_id`, GET, DELETE,
+never another tenant's), and bad input as OpenAI-shaped errors naming the parameter.
 (The json_schema format on the real model: tests/app/test_structured.py.)"""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import openai
 import pytest
 
-from tests.app.harness import MODEL, assert_error, serve
+from tests.app.harness import MODEL, TenantConfig, assert_error, serve, settings, sha
 
 
 async def test_a_response_streamed_and_not_carries_the_same_text():
@@ -87,8 +88,6 @@ async def test_a_client_that_leaves_mid_stream_frees_its_pages():
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
-     "unsupported_value"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools",
      "unsupported_value"),
     ({"input": "x", "frobnicate": 1}, "frobnicate", None),
@@ -117,3 +116,63 @@ async def test_an_unknown_model_is_a_404_and_bad_json_a_400():
         async with srv.client() as c:
             r = await c.post("/v1/responses", content=b"{not json")
             assert_error(r, 400, code="invalid_json")
+
+
+async def test_stored_responses_continue_a_conversation_for_their_tenant_only(tmp_path):
+    tenants = [TenantConfig(name="a", api_key_sha256=sha("ka")),
+               TenantConfig(name="b", api_key_sha256=sha("kb"))]
+    async with serve(settings(data_dir=str(tmp_path), tenants=tenants)) as srv:
+        a, b = srv.openai("ka"), srv.openai("kb")
+        first = await a.responses.create(model=MODEL, input="hello", max_output_tokens=4,
+                                         instructions="Be brief.")
+        assert first.store is True
+        # The second turn: the first's conversation (not its instructions) before the input.
+        second = await a.responses.create(model=MODEL, input="again", max_output_tokens=3,
+                                          previous_response_id=first.id)
+        assert second.previous_response_id == first.id
+        convo = f"<user>hello<assistant>{first.output_text}<user>again"
+        assert second.usage.input_tokens == len(convo) + 1
+        # Streamed, it is kept before its last event: a third turn can follow at once.
+        stream = await a.responses.create(model=MODEL, input="more", max_output_tokens=2,
+                                          previous_response_id=second.id, stream=True)
+        third = [ev async for ev in stream][-1].response
+        assert third.store is True
+        fourth = await a.responses.create(model=MODEL, input="end", max_output_tokens=2,
+                                          previous_response_id=third.id)
+        convo += f"<assistant>{second.output_text}<user>more<assistant>{third.output_text}"
+        assert fourth.usage.input_tokens == len(convo + "<user>end") + 1
+
+        got = await a.responses.retrieve(first.id)
+        assert got.output_text == first.output_text and got.id == first.id
+        # Another tenant's response does not exist for b: never its content.
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError) as e:
+            await b.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+        assert e.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.delete(first.id)
+
+        await a.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await a.responses.retrieve(first.id)
+        unkept = await a.responses.create(model=MODEL, input="x", max_output_tokens=1,
+                                          store=False)
+        assert unkept.store is False
+        with pytest.raises(openai.NotFoundError):
+            await a.responses.retrieve(unkept.id)
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0
+
+
+async def test_without_a_store_nothing_is_kept_or_found():
+    async with serve() as srv:  # the harness's default: batch jobs, and so the store, off
+        client = srv.openai()
+        r = await client.responses.create(model=MODEL, input="x", max_output_tokens=1)
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.responses.create(model=MODEL, input="x",
+                                          previous_response_id=r.id)
+        assert e.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(r.id)
