@@ -20,6 +20,7 @@ import trio
 from scheduler.api import EngineDead, GenerateRequest, Overloaded
 from scheduler.protocol import SamplingParams
 
+from . import tools
 from .adapters import check_tenant
 from .errors import (DRAINING_RETRY_S, LOADING_RETRY_S, APIError, bad_request, rate_limited,
                      unavailable)
@@ -58,6 +59,7 @@ class Admitted:
     # With `echo` and `logprobs`: the prompt's ids, whose logprobs come first.
     prompt_ids: Sequence[int] = ()
     score_only: bool = False  # completions' `max_tokens: 0` with `echo`: no answer
+    tools: bool = False  # chat with tools in play: calls are read from the answer (tools.py)
 
 
 def check_phase(state: ServerState) -> None:
@@ -237,6 +239,7 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         sequences=sequences,
         prompt_ids=prompt_ids if echo and p.logprobs is not None else (),
         score_only=score_only,
+        tools=isinstance(req, ChatCompletionRequest) and tools.active(req),
     )
     flight.log = request_log(state.settings.server.log_requests, adm, text)
     return adm

@@ -10,6 +10,7 @@ import trio
 
 from .errors import bad_request
 from .pools import Pool
+from . import tools
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # Prompts longer than this many characters are tokenized in a worker thread, so a 4 MiB
@@ -23,7 +24,7 @@ async def tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
     tok = pool.tokenizer
     if isinstance(req, ChatCompletionRequest):
         text = "\n".join(m.text() for m in req.messages)
-        ids = await maybe_thread(len(text), encode_messages, pool, req.messages)
+        ids = await maybe_thread(len(text), encode_messages, pool, req.messages, req)
     elif isinstance(req.prompt, list) and all(isinstance(t, int) for t in req.prompt):
         ids = list(req.prompt)
         bad = [t for t in ids if not 0 <= t < pool.vocab_size]  # type: ignore[operator]
@@ -39,10 +40,13 @@ async def tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
     return list(ids), text
 
 
-def encode_messages(pool: Pool, messages: Sequence[ChatMessage]) -> list[int]:
-    """Render the chat template and tokenize ("developer" is the template's "system")."""
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-             for m in messages]
+def encode_messages(pool: Pool, messages: Sequence[ChatMessage],
+                    req: ChatCompletionRequest | None = None) -> list[int]:
+    """Render the chat template and tokenize ("developer" is the template's "system"; a
+    chat request's tools, calls and results as app/tools.py writes them)."""
+    plain = tools.plain_messages(list(messages))
+    if req is not None:
+        plain = tools.render(req, plain)
     try:
         return pool.tokenizer.encode_chat(plain)
     except ValueError as e:  # the template refused (e.g. roles out of the order it wants)
@@ -59,6 +63,8 @@ async def maybe_thread(size: int, fn, *args):
 
 
 def chat_checks(req: ChatCompletionRequest) -> int | None:
+    if (wrong := tools.check(req)) is not None:
+        raise bad_request(wrong[0], param=wrong[1])
     if req.max_tokens == 0:
         raise bad_request("`max_tokens` must be at least 1.", param="max_tokens")
     if req.top_logprobs is not None and not req.logprobs:

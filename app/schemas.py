@@ -1,7 +1,7 @@
 """The OpenAI wire format as msgspec Structs, and `decode_body`, the one way bodies come in.
 
-Requests forbid unknown fields: a parameter this server does not implement (``tools``,
-``n=2`` ...) is refused with a 400 naming it, never silently ignored, since a client that
+Requests forbid unknown fields: a parameter this server does not implement (``functions``,
+an image part ...) is refused with a 400 naming it, never silently ignored, since a client that
 asked for something and got plain text would have no way to tell. A few parameters that
 change nothing a client can observe here are accepted and ignored (docs/api.md lists
 them). Limits live in the types (``Meta``), so msgspec reports the exact path of a bad
@@ -39,13 +39,30 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: Annotated[str, Meta(max_length=256)]
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    # "developer" is OpenAI's newer name for "system". Tool messages are refused: this
-    # server does not do tool calls, and a conversation that contains them would be
-    # rendered wrongly.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "developer" is OpenAI's newer name for "system". A "tool" message answers an
+    # assistant turn's call (`tool_call_id`); app/tools.py renders both for the template.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -94,6 +111,30 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     grammar: str | None = None
 
 
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: FunctionName
+    description: Annotated[str, Meta(max_length=4096)] | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None  # the schema is always enforced where the call is
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    function: ToolChoiceFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What chat and completions share."""
 
@@ -136,6 +177,8 @@ class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ChatCompletionRequest(_GenerateParams, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -189,9 +232,21 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -210,9 +265,19 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
 
 
+class ToolCallDelta(msgspec.Struct):
+    """A whole call in one delta (its arguments complete), as the stream's last chunks."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -27,6 +27,7 @@ import trio
 
 from scheduler.api import ErrorEvent, FinishEvent, TokenEvent
 
+from . import tools
 from .completions import Admitted
 from .errors import APIError, ErrorBody, ErrorDetail, rate_limited
 from .guardrails import OutputGate
@@ -207,6 +208,13 @@ class ChunkWriter:
     def finish_choice(self, reason: str, index: int = 0) -> bytes:
         return self._chunk(None if self.chat else "", reason, [], index=index)
 
+    def tool_calls(self, calls: list, index: int = 0) -> bytes:
+        """A chat choice's calls, whole, in one chunk (app/tools.py)."""
+        a = self.adm
+        choice = ChatChunkChoice(index, Delta(tool_calls=calls))
+        return self._event(ChatCompletionChunk(a.id, "chat.completion.chunk", a.created,
+                                               a.model, [choice]))
+
     def end(self, usage: Usage | None) -> bytes:
         a = self.adm
         out = b""
@@ -237,10 +245,12 @@ def runs(events: list) -> list[tuple[int, list[TokenEvent], FinishEvent | ErrorE
 
 
 class _Choice:
-    """One choice's output gate and the token events whose text it still holds."""
+    """One choice's output gate and the token events whose text it still holds, and with
+    tools in play the text a call may be in (`tools.CallStream`)."""
 
-    def __init__(self, make_gate) -> None:
+    def __init__(self, make_gate, calls: bool = False) -> None:
         self.gate: OutputGate | None = make_gate() if make_gate is not None else None
+        self.calls = tools.CallStream() if calls else None
         self.held: list[TokenEvent] = []
         self.end: FinishEvent | None = None
         self.reason: str | None = None  # its finish_reason once ended
@@ -267,7 +277,7 @@ async def sse_body(adm: Admitted, make_gate, coalesce: bool,
     try:
         w = writer or ChunkWriter(adm)
         reader = Reader(adm, coalesce)
-        choices = [_Choice(make_gate) for _ in range(adm.n)]
+        choices = [_Choice(make_gate, adm.tools) for _ in range(adm.n)]
         head = w.start()
         if head:
             yield head
@@ -286,6 +296,8 @@ async def sse_body(adm: Admitted, make_gate, coalesce: bool,
                     c.held += tokens
                     text = await c.gate.feed(text, final=end is not None)
                     tokens, c.held = (c.held, []) if text else ([], c.held)
+                if c.calls is not None:
+                    text = c.calls.feed(text)
                 out += w.tokens(text, tokens, index)
                 if c.gate is not None and c.gate.refused:
                     c.reason = "content_filter"
@@ -293,6 +305,12 @@ async def sse_body(adm: Admitted, make_gate, coalesce: bool,
                 elif end is not None:
                     c.end, c.reason = end, end.finish_reason
                 if c.reason is not None:
+                    if c.calls is not None and c.reason != "content_filter":
+                        rest, calls = c.calls.finish()
+                        out += w.tokens(rest, [], index)
+                        if calls:
+                            out += w.tool_calls(calls, index)
+                            c.reason = "tool_calls" if c.reason == "stop" else c.reason
                     out += w.finish_choice(c.reason, index)
             if all(c.reason is not None for c in choices):
                 out += w.end(usage_of_all(adm, [c.end for c in choices]))
@@ -332,8 +350,11 @@ async def collect(adm: Admitted, make_gate) -> bytes:
             if gate is not None and not await gate.feed(text, final=True) and text:
                 text, reason = "", "content_filter"
             if adm.kind == "chat":
-                choices.append(ChatChoice(index, AssistantMessage(text), reason,
-                                          chat_logprobs(adm, evs)))
+                content, calls = tools.split_calls(text) if adm.tools else (text, [])
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+                message = AssistantMessage(content, tool_calls=calls or None)
+                choices.append(ChatChoice(index, message, reason, chat_logprobs(adm, evs)))
             else:
                 choices.append(CompletionChoice(index, adm.echo + text, reason, completion_logprobs(
                     adm, evs, 0, prompt=bool(adm.prompt_ids))))

@@ -15,6 +15,7 @@ import json
 
 import trio
 
+from . import tools
 from .errors import bad_request
 from .grammar import (GrammarError, choice_grammar, ebnf_grammar, json_schema_grammar,
                       regex_grammar)
@@ -46,6 +47,8 @@ def grammar_of(req: Request) -> tuple[str, str] | None:
             asked.append((name, value))
     if so is not None and so.json_object:
         asked.append(("structured_outputs.json_object", {"type": "object"}))
+    if isinstance(req, ChatCompletionRequest) and (calls := tools.call_grammar(req)):
+        asked.append(("tool_choice", calls))  # a call required: its arguments' schemas
     if not asked:
         return None
     if len(asked) > 1:

@@ -40,8 +40,16 @@ CASES = [
     ("empty messages", CHAT, chat(messages=[]), 400, "messages", None),
     ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400,
      "messages[0].role", None),
-    ("tool role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400,
-     "messages[0].role", None),
+    ("tool result without its call's id", CHAT, chat(messages=[{"role": "tool",
+                                                                 "content": "x"}]), 400,
+     "messages[0].tool_call_id", None),
+    ("tool call asked of no tools", CHAT, chat(tool_choice="required"), 400, "tool_choice",
+     None),
+    ("tool choice naming no tool", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "tool_choice", None),
+    ("bad function name", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "no spaces"}}]), 400, "tools[0].function.name", None),
     ("image content", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400,
      "messages[0].content[0].type", None),
@@ -121,9 +129,8 @@ async def test_every_bad_input_is_refused_and_the_server_keeps_serving():
             except AssertionError as e:
                 raise AssertionError(f"case {case!r}: {e}") from None
         err = assert_error(await http.post(CHAT, json=chat(tools=[], functions=[],
-                                                           tool_choice="auto")), 400)
-        assert all(f"`{p}`" in err["message"] for p in ("tools", "functions",
-                                                        "tool_choice")), err
+                                                           function_call="auto")), 400)
+        assert all(f"`{p}`" in err["message"] for p in ("functions", "function_call")), err
         # A normal request still works (with the parameters accepted and ignored), and
         # nothing leaked.
         r = await http.post(CHAT, json=chat(max_tokens=3, store=False, metadata={"a": "b"},

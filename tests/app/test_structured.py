@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import msgspec
 import openai
 import pytest
 import trio
@@ -229,4 +230,81 @@ async def _answer_all(schemas: list[dict]) -> None:
         assert not failures, f"{len(failures)} of {2 * len(schemas)}:\n" + "\n".join(
             failures[:5])
         assert state.router.pools[0].grammars.compiles <= len(schemas)
+        assert _pages_in_use(state) == 0
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string"},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+
+
+async def test_tool_calls_on_the_embedded_model(embedded_gguf):
+    """`tool_choice="required"`: 100 of 100 sampled calls carry arguments valid against the
+    function's schema (the answer is constrained to a call); streamed, the call arrives as
+    a tool_calls delta; the Agents-style loop (a call, the tool's result, an answer);
+    LangChain's `bind_tools` reads the calls back. Every page is back in the pool."""
+    small = small_pool(embedded_gguf)  # 16 streams at once: the hundred calls go faster
+    pool = msgspec.structs.replace(
+        small, decode_buckets=[16], mixed_decode_buckets=[16],
+        scheduler=msgspec.structs.replace(small.scheduler, max_running=16))
+    async with real_server(Settings(server=ServerConfig(port=0), pools=[pool])) as (url, state):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = "smollm2-135m-instruct"
+        ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+        schema = WEATHER["function"]["parameters"]
+        results = []
+        limit = trio.CapacityLimiter(16)  # the pool's running slots: none refused
+
+        async def one(i: int) -> None:
+            async with limit:
+                results.append(await client.chat.completions.create(
+                    model=model, messages=ask, tools=[WEATHER], tool_choice="required",
+                    parallel_tool_calls=False, temperature=1.0, seed=i, max_tokens=80))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(100):
+                nursery.start_soon(one, i)
+        for r in results:
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_weather" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert len(results) == 100
+
+        stream = await client.chat.completions.create(
+            model=model, messages=ask, tools=[WEATHER], tool_choice="required",
+            parallel_tool_calls=False, temperature=0, max_tokens=80, stream=True)
+        chunks = [c async for c in stream]
+        calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = await client.chat.completions.create(
+            model=model, messages=ask, tools=[WEATHER], tool_choice="required",
+            parallel_tool_calls=False, temperature=0, max_tokens=80)
+        assert plain.choices[0].message.tool_calls[0].function.arguments \
+            == calls[0].function.arguments
+
+        # The loop an agent runs: the call, the tool's result, then an answer in words.
+        call = plain.choices[0].message.tool_calls[0]
+        answer = await client.chat.completions.create(model=model, tools=[WEATHER],
+                                                      temperature=0, max_tokens=40, messages=[
+            *ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}],
+            tool_choice="none")
+        assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+        # LangChain's bind_tools (in a thread: its sync API; this test runs on trio).
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(base_url=f"{url}/v1", api_key="none", model=model, temperature=0,
+                         max_tokens=80, max_retries=0)
+        bound = llm.bind_tools([WEATHER], tool_choice="required")
+        msg = await trio.to_thread.run_sync(bound.invoke, ask[0]["content"])
+        assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+        jsonschema.validate(msg.tool_calls[0]["args"], schema)
+        await trio.sleep(0.2)
         assert _pages_in_use(state) == 0
