@@ -68,6 +68,11 @@ def _generate(summary: str, req: type, resp: type, chunk: type) -> dict:
 def openapi_spec(model_names: tuple[str, ...] = ()) -> bytes:
     """The spec; `model_names` (the served names) narrow every `model` field to them."""
     _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    # A Responses message item may leave its `type` out (app/responses.py `_decode`).
+    message = components["InputMessage"]
+    message["required"] = [f for f in message.get("required", []) if f != "type"]
+    items = components["ResponsesRequest"]["properties"]["input"]["anyOf"][1]["items"]
+    items.pop("discriminator", None)
     if model_names:
         names = {"type": "string", "enum": list(model_names)}
         for req in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):

@@ -61,7 +61,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=128)] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
 
     def text(self) -> str:
@@ -177,7 +177,7 @@ class _GenerateParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ChatCompletionRequest(_GenerateParams, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tools: list[Tool] | None = None  # (bounded by the body size, `max_body_bytes`)
     tool_choice: ToolChoice | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None

@@ -88,8 +88,10 @@ async def test_a_client_that_leaves_mid_stream_frees_its_pages():
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools",
-     "unsupported_value"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}],
+      "tool_choice": {"type": "function", "name": "g"}}, "tool_choice", None),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]", None),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]", None),
     ({"input": "x", "frobnicate": 1}, "frobnicate", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content", None),

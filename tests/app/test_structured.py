@@ -297,6 +297,30 @@ async def test_tool_calls_on_the_embedded_model(embedded_gguf):
             tool_choice="none")
         assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
+        # The Responses API's function tools: a function_call item, its result sent back
+        # as a function_call_output on the stored response, then an answer; streamed, the
+        # call's arguments arrive in the function_call_arguments events.
+        rt = [{"type": "function", "name": "get_weather", "parameters": schema,
+               "description": WEATHER["function"]["description"]}]
+        resp = await client.responses.create(
+            model=model, input=ask[0]["content"], tools=rt, tool_choice="required",
+            parallel_tool_calls=False, temperature=0, max_output_tokens=80)
+        (fc,) = [o for o in resp.output if o.type == "function_call"]
+        assert fc.name == "get_weather" and resp.status == "completed"
+        jsonschema.validate(json.loads(fc.arguments), schema)
+        follow = await client.responses.create(
+            model=model, previous_response_id=resp.id, tools=rt, tool_choice="none",
+            input=[{"type": "function_call_output", "call_id": fc.call_id,
+                    "output": "18 C and sunny"}], temperature=0, max_output_tokens=40)
+        assert follow.output_text and not [o for o in follow.output
+                                           if o.type == "function_call"]
+        stream = await client.responses.create(
+            model=model, input=ask[0]["content"], tools=rt, tool_choice="required",
+            parallel_tool_calls=False, temperature=0, max_output_tokens=80, stream=True)
+        events = [e async for e in stream]
+        (args,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert args.arguments == fc.arguments and events[-1].type == "response.completed"
+
         # LangChain's bind_tools (in a thread: its sync API; this test runs on trio).
         from langchain_openai import ChatOpenAI
 
