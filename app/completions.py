@@ -20,7 +20,7 @@ import trio
 from scheduler.api import EngineDead, GenerateRequest, Overloaded
 from scheduler.protocol import SamplingParams
 
-from . import tools
+from . import reasoning, tools
 from .adapters import check_tenant
 from .errors import (DRAINING_RETRY_S, LOADING_RETRY_S, APIError, bad_request, rate_limited,
                      unavailable)
@@ -60,6 +60,8 @@ class Admitted:
     prompt_ids: Sequence[int] = ()
     score_only: bool = False  # completions' `max_tokens: 0` with `echo`: no answer
     tools: bool = False  # chat with tools in play: calls are read from the answer (tools.py)
+    thinks: bool = False  # a thinking model's chat: its reasoning apart (reasoning.py)
+    thinks_inside: bool = False  # ... the prompt opened the tag: the answer starts inside
 
 
 def check_phase(state: ServerState) -> None:
@@ -221,6 +223,7 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
     except BaseException:
         flight.close()
         raise
+    thinks = kind == "chat" and reasoning.enabled(pool.tokenizer)
     adm = Admitted(
         flight=flight,
         kind=kind,
@@ -240,6 +243,8 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
         prompt_ids=prompt_ids if echo and p.logprobs is not None else (),
         score_only=score_only,
         tools=isinstance(req, ChatCompletionRequest) and tools.active(req),
+        thinks=thinks,
+        thinks_inside=thinks and reasoning.opened(pool.tokenizer, prompt_ids),
     )
     flight.log = request_log(state.settings.server.log_requests, adm, text)
     return adm

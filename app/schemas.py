@@ -247,6 +247,7 @@ class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a thinking model's (app/reasoning.py)
 
 
 class ChatChoice(msgspec.Struct):
@@ -278,6 +279,7 @@ class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

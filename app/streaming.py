@@ -27,7 +27,7 @@ import trio
 
 from scheduler.api import ErrorEvent, FinishEvent, TokenEvent
 
-from . import tools
+from . import reasoning, tools
 from .completions import Admitted
 from .errors import APIError, ErrorBody, ErrorDetail, rate_limited
 from .guardrails import OutputGate
@@ -208,6 +208,15 @@ class ChunkWriter:
     def finish_choice(self, reason: str, index: int = 0) -> bytes:
         return self._chunk(None if self.chat else "", reason, [], index=index)
 
+    def reasoning(self, text: str, index: int = 0) -> bytes:
+        """A thinking chat choice's reasoning (app/reasoning.py), as it comes."""
+        if not text:
+            return b""
+        a = self.adm
+        choice = ChatChunkChoice(index, Delta(reasoning_content=text))
+        return self._event(ChatCompletionChunk(a.id, "chat.completion.chunk", a.created,
+                                               a.model, [choice]))
+
     def tool_calls(self, calls: list, index: int = 0) -> bytes:
         """A chat choice's calls, whole, in one chunk (app/tools.py)."""
         a = self.adm
@@ -248,9 +257,10 @@ class _Choice:
     """One choice's output gate and the token events whose text it still holds, and with
     tools in play the text a call may be in (`tools.CallStream`)."""
 
-    def __init__(self, make_gate, calls: bool = False) -> None:
+    def __init__(self, make_gate, adm: Admitted) -> None:
         self.gate: OutputGate | None = make_gate() if make_gate is not None else None
-        self.calls = tools.CallStream() if calls else None
+        self.calls = tools.CallStream() if adm.tools else None
+        self.thought = reasoning.ReasoningStream(adm.thinks_inside) if adm.thinks else None
         self.held: list[TokenEvent] = []
         self.end: FinishEvent | None = None
         self.reason: str | None = None  # its finish_reason once ended
@@ -277,7 +287,7 @@ async def sse_body(adm: Admitted, make_gate, coalesce: bool,
     try:
         w = writer or ChunkWriter(adm)
         reader = Reader(adm, coalesce)
-        choices = [_Choice(make_gate, adm.tools) for _ in range(adm.n)]
+        choices = [_Choice(make_gate, adm) for _ in range(adm.n)]
         head = w.start()
         if head:
             yield head
@@ -296,6 +306,12 @@ async def sse_body(adm: Admitted, make_gate, coalesce: bool,
                     c.held += tokens
                     text = await c.gate.feed(text, final=end is not None)
                     tokens, c.held = (c.held, []) if text else ([], c.held)
+                if c.thought is not None:
+                    thought, text = c.thought.feed(text)
+                    if end is not None:  # the rest held back for a tag that never came
+                        more, rest = c.thought.finish()
+                        thought, text = thought + more, text + rest
+                    out += w.reasoning(thought, index)
                 if c.calls is not None:
                     text = c.calls.feed(text)
                 out += w.tokens(text, tokens, index)
@@ -350,10 +366,13 @@ async def collect(adm: Admitted, make_gate) -> bytes:
             if gate is not None and not await gate.feed(text, final=True) and text:
                 text, reason = "", "content_filter"
             if adm.kind == "chat":
-                content, calls = tools.split_calls(text) if adm.tools else (text, [])
+                thought, content = (reasoning.split(text, adm.thinks_inside) if adm.thinks
+                                    else (None, text))
+                content, calls = tools.split_calls(content) if adm.tools else (content, [])
                 if calls and reason == "stop":
                     reason = "tool_calls"
-                message = AssistantMessage(content, tool_calls=calls or None)
+                message = AssistantMessage(content, tool_calls=calls or None,
+                                           reasoning_content=thought)
                 choices.append(ChatChoice(index, message, reason, chat_logprobs(adm, evs)))
             else:
                 choices.append(CompletionChoice(index, adm.echo + text, reason, completion_logprobs(
