@@ -63,3 +63,20 @@ def test_one_server_per_store(tmp_path):
         Store(tmp_path)
     s.close()
     Store(tmp_path).close()  # the lock went with the owner
+
+
+def test_stored_responses_are_kept_for_their_retention(tmp_path, monkeypatch):
+    """A response is kept `keep_s`; one older than that goes when the next is stored."""
+    import app.batches.store as store_module
+
+    store = Store(tmp_path)
+    now = [1_000_000]
+    monkeypatch.setattr(store_module.time, "time", lambda: now[0])
+    store.add_response("resp_old", "a", b"[]", b"{}", keep_s=100)
+    assert store.response("resp_old")["tenant"] == "a"
+    now[0] += 101
+    store.add_response("resp_new", "a", b"[]", b"{}", keep_s=100)
+    assert store.response("resp_old") is None and store.response("resp_new") is not None
+    store.delete_response("resp_new")
+    assert store.response("resp_new") is None
+    store.close()

@@ -178,3 +178,15 @@ async def test_without_a_store_nothing_is_kept_or_found():
         assert e.value.body["param"] == "previous_response_id"
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(r.id)
+
+
+async def test_an_oversized_body_is_a_413_and_the_server_goes_on():
+    async with serve() as srv:  # the harness's max_body_bytes: 64 KiB
+        async with srv.client() as c:
+            r = await c.post("/v1/responses", json={"model": MODEL, "input": "x" * 70_000})
+            assert_error(r, 413)
+            ok = await c.post("/v1/responses", json={"model": MODEL, "input": "x",
+                                                      "max_output_tokens": 1})
+            assert ok.status_code == 200
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0
