@@ -42,8 +42,8 @@ from .errors import not_found
 from .prompts import chat_checks
 from .schemas import (ChatCompletionRequest, ChatMessage, FunctionDef, FunctionName,
                       JsonObjectFormat, JsonSchemaFormat, JsonSchemaSpec, NamedToolChoice,
-                      PromptTokensDetails, Tool, ToolCall, ToolChoiceFunction, Usage,
-                      decode_body)
+                      PromptTokensDetails, TextFormat, Tool, ToolCall, ToolChoiceFunction,
+                      Usage, decode_body)
 from .streaming import sse_data
 from .structured import grammar_of
 from .tenants import Tenant
@@ -115,17 +115,10 @@ class NamedFunction(msgspec.Struct, tag="function", tag_field="type",
     name: FunctionName
 
 
-class TextFormatText(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
-    pass
-
-
-class TextFormatJsonObject(msgspec.Struct, tag="json_object", tag_field="type",
-                           forbid_unknown_fields=True):
-    pass
-
-
 class TextFormatJsonSchema(msgspec.Struct, tag="json_schema", tag_field="type",
                            forbid_unknown_fields=True, kw_only=True):
+    """Chat's `json_schema` format with its `json_schema` object's fields flattened."""
+
     name: Annotated[str, Meta(max_length=64)] = "response"
     schema: dict | bool | None = None
     strict: bool | None = None
@@ -133,7 +126,7 @@ class TextFormatJsonSchema(msgspec.Struct, tag="json_schema", tag_field="type",
 
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    format: TextFormatText | TextFormatJsonObject | TextFormatJsonSchema | None = None
+    format: TextFormat | JsonObjectFormat | TextFormatJsonSchema | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect
 
 
@@ -212,8 +205,8 @@ def parse(body: bytes, previous: list[dict] | None = None
     messages += [msgspec.convert(m, ChatMessage) for m in [*(previous or ()), *turns(r)]]
     fmt = r.text.format if r.text is not None else None
     response_format = None
-    if isinstance(fmt, TextFormatJsonObject):
-        response_format = JsonObjectFormat()
+    if isinstance(fmt, JsonObjectFormat):
+        response_format = fmt
     elif isinstance(fmt, TextFormatJsonSchema):
         response_format = JsonSchemaFormat(JsonSchemaSpec(
             name=fmt.name, schema=fmt.schema, strict=fmt.strict, description=fmt.description))
