@@ -4,6 +4,9 @@ The order is cheapest refusal first, and nothing that waits comes before a bound
 phase (503) -> API key (401) -> body (400) -> model (404) -> tokenize -> context (400) ->
 stream bound and tenant quota (429) -> input guardrail (bounded by its budget) ->
 `pool.submit` (429 at once when the engine's queue is full).
+
+(About 360 lines: the admission order above is one function's sequence, kept in one
+place so a cheaper refusal can never move behind a costlier check.)
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ own: another tenant's is a 404, as if absent), `GET` / `DELETE /v1/responses/{id
 and remove one. Function tools are chat's (app/tools.py): a call is a `function_call`
 output item, its result comes back as a `function_call_output` input item. docs/api.md
 lists every parameter's status.
+
+(About 460 lines: the Responses wire types, the conversion to chat, the stored
+conversation and the event writer are one API's shape, read together.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ A client disconnect arrives in it as `trio.Cancelled` (parked at an await) or
 `Flight.close`, which aborts the sequence. No cancel scope is held across a `yield`
 (trio forbids it): draining wakes a parked reader through `Flight.receive_scope`, which
 only ever wraps the `receive`.
+
+(About 390 lines: the chat and completion writers, the per-choice gate, call and
+reasoning split, and the streaming and collecting loops share one event model.)
 """
 
 from __future__ import annotations
