@@ -122,6 +122,9 @@ def check_multihost(pools) -> PoolConfig:
     if cfg.replicas != 1:
         raise ValueError(f"pools[{cfg.name}].replicas = {cfg.replicas}: a multi-host server "
                          "is one replica over its processes")
+    if cfg.kv_host_bytes:
+        raise ValueError(f"pools[{cfg.name}].kv_host_bytes: the KV tiers keep pages in this "
+                         "process's memory, which a multi-host replica's pool spans beyond")
     n = jax.device_count()
     if cfg.tensor_parallel != n:
         raise ValueError(f"pools[{cfg.name}].tensor_parallel = {cfg.tensor_parallel}, but a "

@@ -89,8 +89,8 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"sluice:{name}", doc, labels=LABELS)
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"sluice:{name}", doc, labels=LABELS + extra)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
             return CounterMetricFamily(f"sluice:{name}", doc, labels=LABELS + extra)
@@ -162,6 +162,24 @@ class _EngineCollector:
             "num_gpu_blocks (usable pages, all replicas), enable_prefix_caching.",
             labels=LABELS + ("block_size", "num_gpu_blocks", "enable_prefix_caching"))
 
+        # The KV tiers below the device pool (scheduler/kv_tiers.py; only pools with them).
+        tier_pages = gauge("kv_tier_pages", "KV pages held per tier: device (cached or in "
+                           "use), host, disk.", ("tier",))
+        tier_bytes = gauge("kv_tier_bytes", "KV bytes held per tier.", ("tier",))
+        tier_capacity = gauge("kv_tier_capacity_bytes", "KV bytes each tier may hold.",
+                              ("tier",))
+        tier_hits = counter("prefix_cache_hits_by_tier", "Prompt tokens served from the "
+                            "prefix cache, by the tier they were found in (host and disk "
+                            "pages are copied up first).", ("tier",))
+        tier_copies = counter("kv_tier_copy_bytes", "KV bytes copied between tiers: up "
+                              "(host to device), down (device to host), disk_read, "
+                              "disk_write (rate(): bytes/s).", ("direction",))
+        tier_errors = counter("kv_tier_disk_errors", "Disk tier files skipped or writes "
+                              "failed, by kind (corrupt, truncated, foreign, write, ...).",
+                              ("kind",))
+        tier_families = (tier_pages, tier_bytes, tier_capacity, tier_hits, tier_copies,
+                         tier_errors)
+
         router = self.metrics.router
         reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
         for pool in router.pools if router else []:
@@ -202,6 +220,8 @@ class _EngineCollector:
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
+            if any(s.kv_tiers for s in stats):
+                _kv_tiers(stats, lv, tier_families)
             if pool.config.max_loras:
                 _lora(stats, lv, pool.config.max_loras, len(pool.adapters.by_name),
                       (lora_info, lora_requests, lora_tokens, lora_loads, lora_swaps,
@@ -212,7 +232,8 @@ class _EngineCollector:
             yield from _batch_metrics(self.metrics.batches.worker.stats())
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
-                    itl_target, plans, ttft_factor, prediction, host, compute, idle, lora_info,
+                    itl_target, plans, ttft_factor, prediction, host, compute, idle,
+                    *tier_families, lora_info,
                     lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 
@@ -282,3 +303,38 @@ def _batch_metrics(st: dict) -> Iterator[Metric]:
                             "would miss their completion window.", value=st["at_risk"])
     yield GaugeMetricFamily("sluice:batches_active", "Batches not yet ended.",
                             value=st["active"])
+
+
+def _kv_tiers(stats, lv: list[str], families) -> None:
+    """A pool's KV tiers, summed over its replicas."""
+    pages, nbytes, capacity, hits, copies, errors = families
+    tiers = [s.kv_tiers for s in stats if s.kv_tiers]
+    page_bytes = tiers[0]["page_bytes"]
+    device = sum(s.kv_pages_in_use + s.kv_pages_cached for s in stats)
+    disks = [t["disk"] for t in tiers if t.get("disk")]
+    held = {"device": (device, device * page_bytes,
+                       sum(s.kv_pages_total for s in stats) * page_bytes),
+            "host": (sum(t["host_pages"] for t in tiers), sum(t["host_bytes"] for t in tiers),
+                     sum(t["host_capacity_bytes"] for t in tiers))}
+    if disks:
+        held["disk"] = (sum(d["pages"] for d in disks), sum(d["bytes"] for d in disks),
+                        sum(d["capacity_bytes"] for d in disks))
+    for tier, (n, b, cap) in held.items():
+        pages.add_metric(lv + [tier], n)
+        nbytes.add_metric(lv + [tier], b)
+        capacity.add_metric(lv + [tier], cap)
+    lower = {k: sum(t["hit_tokens"][k] for t in tiers) for k in ("host", "disk")}
+    all_hits = sum(s.prefix_cache_hits_tokens for s in stats if s.kv_tiers)
+    hits.add_metric(lv + ["device"], max(0, all_hits - lower["host"] - lower["disk"]))
+    for tier, n in lower.items():
+        hits.add_metric(lv + [tier], n)
+    for direction, key in (("up", "copy_up_bytes"), ("down", "copy_down_bytes")):
+        copies.add_metric(lv + [direction], sum(t[key] for t in tiers))
+    if disks:
+        copies.add_metric(lv + ["disk_read"], sum(d["read_bytes"] for d in disks))
+        copies.add_metric(lv + ["disk_write"], sum(d["write_bytes"] for d in disks))
+        kinds: Counter[str] = Counter()
+        for d in disks:
+            kinds.update(d["errors"])
+        for kind, n in sorted(kinds.items()):
+            errors.add_metric(lv + [kind], n)

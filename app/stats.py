@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import trio
 
-from .stats_schema import (BatchProgress, KvPages, Percentiles, PoolStats, ReplicaStats, Series,
-                           Slo, Stats, Step, TenantStats)
+from .stats_schema import (BatchProgress, KvPages, KvTiers, Percentiles, PoolStats,
+                           ReplicaStats, Series, Slo, Stats, Step, TenantStats)
 
 if TYPE_CHECKING:
     from .pools import Pool
@@ -183,7 +183,44 @@ def _counters(stats: list, app_rejections: dict, pool: Pool) -> dict[str, Any]:
         kv_in_use=sum(s.kv_pages_in_use for s in stats),
         replicas=len(stats),
         plans=_summed(s.step_plans for s in stats),
+        tiers=_summed(_tier_counters(s.kv_tiers) for s in stats if s.kv_tiers),
     )
+
+
+def _tier_counters(t: dict) -> dict[str, int]:
+    disk = t.get("disk") or {}
+    return {"hits_host": t["hit_tokens"]["host"], "hits_disk": t["hit_tokens"]["disk"],
+            "up": t["copy_up_bytes"], "down": t["copy_down_bytes"],
+            "disk_read": disk.get("read_bytes", 0), "disk_write": disk.get("write_bytes", 0)}
+
+
+def _kv_tiers(stats: list, cur: dict, old: dict, span: float) -> KvTiers | None:
+    tiers = [s.kv_tiers for s in stats if s.kv_tiers]
+    if not tiers:
+        return None
+    now, then = cur["tiers"], old.get("tiers") or {}
+
+    def d(key: str) -> float:
+        return now.get(key, 0) - then.get(key, 0)
+
+    queries = cur["prefix_queries"] - old["prefix_queries"]
+    lower = {"host": d("hits_host"), "disk": d("hits_disk")}
+    device = cur["prefix_hits"] - old["prefix_hits"] - lower["host"] - lower["disk"]
+    rates = ({"device": device / queries, **{k: v / queries for k, v in lower.items()}}
+             if queries else {})
+    disks = [t["disk"] for t in tiers if t.get("disk")]
+    errors = _summed(dk["errors"] for dk in disks)
+    return KvTiers(
+        host_pages=sum(t["host_pages"] for t in tiers),
+        host_slots=sum(t["host_slots"] for t in tiers),
+        disk_pages=sum(dk["pages"] for dk in disks) if disks else None,
+        disk_bytes=sum(dk["bytes"] for dk in disks) if disks else None,
+        disk_capacity_bytes=sum(dk["capacity_bytes"] for dk in disks) if disks else None,
+        hit_rate_by_tier=rates,
+        copy_up_bytes_per_s=_rate(d("up"), 0, span),
+        copy_down_bytes_per_s=_rate(d("down"), 0, span),
+        disk_read_bytes_per_s=_rate(d("disk_read"), 0, span),
+        disk_write_bytes_per_s=_rate(d("disk_write"), 0, span), disk_errors=errors)
 
 
 def _summed(dicts) -> dict[str, int]:
@@ -282,6 +319,7 @@ def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s:
         prompt_tokens_per_s=_rate(cur["prompt_tokens"], old["prompt_tokens"], span),
         refused_per_s=refused, shed_per_s=shed, busy_fraction=busy, useful_busy_fraction=useful,
         replicas=replicas, series=_series(live, pool.name, now, window_s),
+        kv_tiers=_kv_tiers(stats, cur, old, span),
         step_plans={k: round(n / planned, 4) for k, n in plans.items() if n} if planned else {})
 
 

@@ -33,6 +33,24 @@ class KvPages(msgspec.Struct):
     audit_problems: list[str] = []
 
 
+class KvTiers(msgspec.Struct):
+    """The KV tiers below the device pool (pools with `kv_host_bytes`; docs/operations.md,
+    "KV tiers"): pages held, and over the window, where prefix hits came from and the
+    bytes copied between tiers."""
+
+    host_pages: int
+    host_slots: int
+    disk_pages: int | None  # None: no disk tier
+    disk_bytes: int | None
+    disk_capacity_bytes: int | None
+    hit_rate_by_tier: dict[str, float]  # device / host / disk: share of looked-up tokens
+    copy_up_bytes_per_s: float  # host -> device
+    copy_down_bytes_per_s: float  # device -> host
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    disk_errors: dict[str, int]  # files skipped or writes failed, by kind (since start)
+
+
 class Step(msgspec.Struct):
     """One engine step: what it carried and how long it took."""
 
@@ -99,6 +117,7 @@ class PoolStats(msgspec.Struct):
     # the ITL target held, where the decodes alone filled it (the derived budget), where
     # a prompt about to miss the TTFT target took bigger chunks (scheduler/policy.py).
     step_plans: dict[str, float] = msgspec.field(default_factory=dict)
+    kv_tiers: KvTiers | None = None  # None: the pool keeps no tiers below the device
 
 
 class TenantStats(msgspec.Struct):

@@ -241,6 +241,14 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # device 0 on, wrapping around. Two pools' explicit `devices` may not overlap.
     devices: list[NonNegative] | None = None
     tensor_parallel: Positive = 1
+    # The KV cache's tiers below the device pool (docs/operations.md, "KV tiers"): prefix
+    # pages evicted from the pool move to a host buffer of `kv_host_bytes` (0: off; at
+    # least 32 pages) and from there to files under `kv_disk_dir` (None: no disk tier; up
+    # to `kv_disk_bytes`, kept across restarts), and a prompt that continues there copies
+    # them back up instead of computing them.
+    kv_host_bytes: NonNegative = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: NonNegative = 4 * 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -268,6 +276,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "largest shape holds every step")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
+        if self.kv_disk_dir and not self.kv_host_bytes:
+            raise ValueError(f"pools[{self.name}].kv_disk_dir needs kv_host_bytes > 0: pages "
+                             "read from disk land in the host tier")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:
             raise ValueError(
                 f"max_prompt_tokens ({self.max_prompt_tokens}) must be >= "

@@ -63,7 +63,9 @@ class StepAssembly:
         layout = pack(dec, pf, bucket, page_size=self.page_size, block_q=self.block_q,
                       pages_per_seq=self.pool.pages_per_seq, n_samples=rows,
                       prev_rows=self._prev_rows)
-        return bucket, rows, layout, self._batch(layout, plan.copies)
+        # Pages copied up from the host tier were written before the step, as copies are.
+        written = plan.copies + [(0, page) for _, page in plan.swap_in]
+        return bucket, rows, layout, self._batch(layout, written)
 
     @property
     def limits(self) -> StepLimits:

@@ -143,3 +143,15 @@ class Compiling:
                                                jnp.int32))
         return jax.jit(copy, donate_argnums=(0,)).lower(self._spec(self.kv), rows,
                                                           rows).compile()
+
+    def _compile_swaps(self) -> tuple[Callable, Callable]:
+        """The KV tiers' programs (model/kv_tiers.py): pool rows out (a gather; the pool
+        is not donated, the steps queued after it use it) and host data in (a scatter,
+        the pool donated), `SWAP_BUCKET` pages of every layer a call (fixed shapes)."""
+        def out(kv, rows):
+            return tuple(a[rows] for a in kv)
+
+        def into(kv, rows, k, v):
+            return (kv[0].at[rows].set(k), kv[1].at[rows].set(v))
+
+        return jax.jit(out), jax.jit(into, donate_argnums=(0,))

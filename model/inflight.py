@@ -91,3 +91,4 @@ class Launched:
     ticket: Ticket
     t0: float  # launch began (perf_counter)
     t_dispatch: float  # packing done, programs being queued
+    swap_mark: int = 0  # the KV tiers' copies down queued up to its launch (`settle`)

@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -57,6 +59,8 @@ from .compiling import COPY_BUCKET, Compiling, enable_compilation_cache
 from .config import ModelConfig
 from .formats import kv_format, weight_format, weight_layout
 from .inflight import Launched, ReadyTimes
+from .kv_disk import DiskStore
+from .kv_tiers import SWAP_BUCKET, TierStore, model_fingerprint
 from .llama import StepBatch, prepare_params, rope_inv_freq
 from .multihost import mirrored
 from .packing import Bucket
@@ -103,6 +107,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
         devices: Sequence[Any] | None = None,
+        kv_host_bytes: int = 0,
+        kv_disk_dir: str | None = None,
+        kv_disk_bytes: int = 0,
     ) -> None:
         # Where it runs: None, JAX's default device; else these, tensor parallel over them.
         tp_n = len(devices) if devices else 1
@@ -141,6 +148,10 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                                page_size=page_size, kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, dtype=self.kv_storage,
                                pages_per_seq=-(-self.max_context // page_size))
+        # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
+        self.kv_store = self._tier_store(params, quantization, kv_host_bytes, kv_disk_dir,
+                                         kv_disk_bytes) if kv_host_bytes else None
+        self._swaps: tuple[Callable, Callable] | None = None
         # What one device computes (the whole model without tensor parallelism).
         self.local_config = self.tp.local_config(cfg) if self.tp else cfg
         self.kv = self._new_pool()
@@ -232,7 +243,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                    max_cpu_loras=pool.max_cpu_loras,
                    time_all_shapes=pool.scheduler.strict_itl_s > 0,
                    quantization=pool.quantization, kv_cache_dtype=pool.kv_cache_dtype,
-                   devices=devices)
+                   devices=devices, kv_host_bytes=pool.kv_host_bytes,
+                   kv_disk_dir=pool.kv_disk_dir and os.path.expanduser(pool.kv_disk_dir),
+                   kv_disk_bytes=pool.kv_disk_bytes)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -278,11 +291,35 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             **self.attention.describe(),
         }
 
+    def _tier_store(self, params: dict, quantization: str, host_bytes: int,
+                    disk_dir: str | None, disk_bytes: int) -> TierStore:
+        cfg = self.config
+        page_shape = (2, cfg.num_layers, self.page_size, cfg.num_kv_heads,
+                      row_elements(cfg.head_dim, self.kv_storage))
+        page_bytes = int(np.prod(page_shape)) * np.dtype(self.kv_storage).itemsize
+        slots = host_bytes // page_bytes
+        if slots < SWAP_BUCKET:
+            raise ValueError(f"kv_host_bytes={host_bytes} holds {slots} pages of "
+                             f"{page_bytes} bytes; at least {SWAP_BUCKET} are needed")
+        disk = None
+        if disk_dir:
+            leaves = [np.asarray(a).reshape(-1)[:64] for _, a in
+                      sorted(jax.tree_util.tree_leaves_with_path(params),
+                             key=lambda kv: jax.tree_util.keystr(kv[0]))[:4]]
+            fp = model_fingerprint(self.base_config, weights=quantization,
+                                   kv_dtype=self.kv_storage, page_shape=page_shape,
+                                   sample=leaves)
+            disk = DiskStore(disk_dir, capacity_bytes=disk_bytes, fingerprint=fp,
+                             page_shape=page_shape, page_dtype=self.kv_storage)
+        return TierStore(slots, page_shape, self.kv_storage, disk=disk)
+
     # ------------------------------------------------------------------------ warming up
 
     def close(self) -> None:
         """Stop compiling in the background (after the shape being compiled now), and a
-        multi-host replica's followers."""
+        multi-host replica's followers; the KV tiers' disk writes are finished."""
+        if self.kv_store is not None:
+            self.kv_store.close()
         self.programs.close()
         self._ready.close()
         if self.mirror is not None:
@@ -310,6 +347,19 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
     @mirrored
     def _dev_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.kv = self._copy(self.kv, src, dst)
+
+    @mirrored
+    def _dev_swap_out(self, rows: np.ndarray) -> tuple[Any, Any]:
+        return self._swap_programs()[0](self.kv, rows)
+
+    @mirrored
+    def _dev_swap_in(self, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        self.kv = self._swap_programs()[1](self.kv, rows, k, v)
+
+    def _swap_programs(self) -> tuple[Callable, Callable]:
+        if self._swaps is None:
+            self._swaps = self._compile_swaps()
+        return self._swaps
 
     @mirrored
     def _dev_step(self, b: Bucket, batch: StepBatch) -> tuple[Any, Any]:
@@ -364,12 +414,16 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
 
     def _launch(self, plan: StepPlan) -> Launched | StepResult:
         t0 = time.perf_counter()
+        if plan.swap_out or plan.swap_in:
+            self._run_swaps(plan)
         if plan.copies:
             self._run_copies(plan.copies)
         for slot, name in plan.adapter_loads:
             self.lora.load(slot, name)
         if not plan.chunks:
             self._prev_rows = {}
+            if self.kv_store is not None:
+                self.kv_store.settle()
             return StepResult(sampled={}, device_seconds=time.perf_counter() - t0)
         bucket, rows, layout, batch = self._assemble(plan)
         t_dispatch = time.perf_counter()
@@ -382,12 +436,15 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             scores = self._dev_score(self._scorer.targets(layout.scored, sum(bucket)))
         self._prev_rows = {c.seq_id: r for r, c in enumerate(layout.samples)}
         ticket = self._ready.watch(logits if packed is None else packed)
-        return Launched(layout, bucket, logits, packed, scores, ticket, t0, t_dispatch)
+        return Launched(layout, bucket, logits, packed, scores, ticket, t0, t_dispatch,
+                        swap_mark=self.kv_store.mark if self.kv_store is not None else 0)
 
     def _collect(self, l: Launched | StepResult, return_logits: bool = False) -> StepResult:
         if isinstance(l, StepResult):
             return l
         wait = l.ticket.wait()  # also when nothing is sampled: the step has run
+        if self.kv_store is not None:  # the copies down queued before it have run too
+            self.kv_store.settle(upto=l.swap_mark)
         layout, bucket = l.layout, l.bucket
         sampled, failed = ({}, {}) if l.packed is None else sampling.unpack(
             np.asarray(l.packed), layout.samples)  # the one device-to-host copy
@@ -408,6 +465,27 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             host = np.asarray(l.logits)
             result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}
         return result
+
+    def _run_swaps(self, plan: StepPlan) -> None:
+        """The KV tiers' copies, down then up (model/kv_tiers.py), before the copies and
+        chunks of the step: a page copied down may be the target of one copied up."""
+        store = self.kv_store
+        for i in range(0, len(plan.swap_out), SWAP_BUCKET):
+            part = plan.swap_out[i:i + SWAP_BUCKET]
+            k, v = self._dev_swap_out(self._page_rows([p for p, _, _, _ in part]))
+            store.queued([s for _, s, _, _ in part], k, v, [(key, meta) for _, _, key, meta in part])
+        for i in range(0, len(plan.swap_in), SWAP_BUCKET):
+            part = plan.swap_in[i:i + SWAP_BUCKET]
+            k, v = store.gather([s for s, _ in part])
+            self._dev_swap_in(self._page_rows([p for _, p in part]), k, v)
+
+    def _page_rows(self, pages: list[int]) -> np.ndarray:
+        """Pool rows of `pages` in every layer, layer-major, padded to `SWAP_BUCKET` pages
+        with the null page 0."""
+        padded = np.zeros(SWAP_BUCKET, np.int32)
+        padded[:len(pages)] = pages
+        layers = np.arange(self.config.num_layers, dtype=np.int32)[:, None] * self.num_pages
+        return (layers + padded[None, :]).reshape(-1)
 
     def _run_copies(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in self._copy_rows(copies):

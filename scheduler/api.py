@@ -138,6 +138,9 @@ class EngineStats:
     # Steps planned so far by the rule that sized their prompt chunks (`Batch.why`,
     # `policy.STEP_PLANS`): the ITL target, the derived budget, a TTFT about to be missed.
     step_plans: dict[str, int] = field(default_factory=dict)
+    # The KV tiers below the device pool (scheduler/kv_tiers.py `KVTiers.stats`; empty:
+    # none): pages and bytes per tier, hits per tier, bytes copied up and down.
+    kv_tiers: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

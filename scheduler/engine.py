@@ -73,6 +73,7 @@ from .admission import Admission
 from .api import EngineDead, EngineStats, ErrorEvent, GenerateRequest, RequestHandle
 from .batch import Batch
 from .delivery import Delivery
+from .kv_tiers import KVTiers
 from .output import OutputStream
 from .policy import Scheduler
 from .protocol import Detokenizer, Runner, RunnerLost
@@ -114,6 +115,11 @@ class Engine(Delivery):
                                    max_context=runner.max_context)
         self.admission = Admission(self.scheduler, config, clock,
                                    max_context=runner.max_context)
+        # The KV tiers below the pool (scheduler/kv_tiers.py), if the runner keeps them.
+        store = getattr(runner, "kv_store", None)
+        if store is not None:
+            self.scheduler.pages.tiers = KVTiers(store.host_slots, store.page_bytes,
+                                                 disk=store.disk, page_size=runner.page_size)
         self._log = StepLog(step_records)
         self.step_records: deque[StepRecord] = self._log.records  # the last few steps
         self._seqs: dict[str, Sequence] = {}  # request_id -> live sequence
@@ -247,42 +253,65 @@ class Engine(Delivery):
         self._limiter = trio.CapacityLimiter(1)
         task_status.started()
         try:
-            while self._alive:
-                if lost := getattr(self.runner, "lost", None):
-                    self._die(f"engine {self.name!r} is dead: {lost}")
-                    break
-                if self._iter_from is None:
-                    self._iter_from = self.clock()
-                t_plan = self.clock()
-                self._seed_costs()
-                self._end_deferred_aborts()
-                self._shed_expired()
-                if self._undelivered:
-                    self._deliver_pending()
-                prev = self._flight[0] if self._flight else None
-                if prev is not None and not prev.overlappable:
-                    await self._finish(prev)  # its tokens are needed to plan the next step
-                    continue
-                batch = self.scheduler.schedule()
-                self._host += self.clock() - t_plan
-                if batch is None:
-                    if prev is not None:
-                        await self._finish(prev)
-                        continue
-                    self._iter_from = None
-                    await self._idle()
-                    continue
-                launched = await self._launch(batch)
-                if prev is not None:  # the step launched before: its tokens, while the new one runs
-                    await self._finish(prev)
-                if launched is not None and not (self._overlap and launched.overlappable):
-                    await self._finish(launched)
-                # Let other tasks (HTTP handlers reading events) run between steps even if
-                # the runner returned instantly.
-                await trio.lowlevel.checkpoint()
+            async with trio.open_nursery() as nursery:  # the KV tiers' disk reads
+                self._nursery = nursery
+                await self._loop()
+                nursery.cancel_scope.cancel()
         finally:
             if self._alive:  # cancelled: nobody will serve what is left
                 self._die("engine stopped")
+
+    async def _loop(self) -> None:
+        """Plan, launch and commit steps until the engine dies."""
+        while self._alive:
+            if lost := getattr(self.runner, "lost", None):
+                self._die(f"engine {self.name!r} is dead: {lost}")
+                break
+            if self._iter_from is None:
+                self._iter_from = self.clock()
+            t_plan = self.clock()
+            self._seed_costs()
+            self._end_deferred_aborts()
+            self._shed_expired()
+            if self._undelivered:
+                self._deliver_pending()
+            prev = self._flight[0] if self._flight else None
+            if prev is not None and not prev.overlappable:
+                await self._finish(prev)  # its tokens are needed to plan the next step
+                continue
+            batch = self.scheduler.schedule()
+            self._host += self.clock() - t_plan
+            if self.scheduler.pages.tiers is not None:
+                self._start_loads()
+            if batch is None:
+                if prev is not None:
+                    await self._finish(prev)
+                    continue
+                self._iter_from = None
+                await self._idle()
+                continue
+            launched = await self._launch(batch)
+            if prev is not None:  # the step launched before: its tokens, while the new one runs
+                await self._finish(prev)
+            if launched is not None and not (self._overlap and launched.overlappable):
+                await self._finish(launched)
+            # Let other tasks (HTTP handlers reading events) run between steps even if
+            # the runner returned instantly.
+            await trio.lowlevel.checkpoint()
+
+    def _start_loads(self) -> None:
+        """Disk reads the last plan asked for: each in a worker thread beside the steps
+        (the prompt waiting for them is admitted once they are in host slots)."""
+        for job in self.scheduler.pages.tiers.take_loads():
+            self._nursery.start_soon(self._load, job)
+
+    async def _load(self, job) -> None:
+        t0 = self.clock()
+        try:
+            await trio.to_thread.run_sync(self.runner.kv_store.load, job)
+        finally:  # a read that failed or was cancelled gives its slots back
+            self.scheduler.pages.tiers.loaded(job, self.clock() - t0)
+            self._wakeup.set()
 
     async def _idle(self) -> None:
         self._wakeup = trio.Event()

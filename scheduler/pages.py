@@ -14,8 +14,9 @@ tests after every operation, /v1/stats on the live pool):
 - in use: ``ref > 0``; ``ref`` is the number of page tables holding it (a prefix hit
   makes one page appear in several tables).
 
-Prefix keys chain: page i's key hashes (key of page i-1, salt, its page_size token ids),
-so a key names the whole prefix up to the end of the page, not just one page's tokens.
+Prefix keys chain: page i's key hashes (key of page i-1, salt, its page_size token ids)
+with a stable hash (`chain_key`: the same in every process, as the disk tier needs), so a
+key names the whole prefix up to the end of the page, not just one page's tokens.
 The salt is the request's `cache_salt` (the app puts tenant and adapter there, or "" when
 the operator lets tenants share), so one tenant's prompt is never another's hit. A hit is
 confirmed by comparing parent key, salt and token ids, so a hash collision cannot serve
@@ -24,7 +25,13 @@ wrong K/V. Only full pages are registered; a partial last page is private.
 Registered pages and pages with ``ref > 1`` are immutable: a sequence that must write into
 one (its whole prompt was a hit, so the last position is recomputed into the last page)
 first gets a private copy; the (src, dst) pair goes into `StepPlan.copies`, which the
-runner executes before any chunk of that step. Pages are registered when the step that
+runner executes before any chunk of that step.
+
+With tiers below the device (scheduler/kv_tiers.py, `tiers`), evicting a cached page
+moves it down: the page's (page, host slot, key, meta) joins `swap_out`, which the policy
+moves into the next `StepPlan` (the runner copies it out before that step writes
+anything), and `take_up` gives a prompt fresh pages for the pages it found in the host
+tier, each (host slot, page) into `swap_in`. Pages are registered when the step that
 computes them is launched (any step that reads them runs after it); if that step fails,
 `forget` takes them back out.
 
@@ -34,12 +41,29 @@ above and are kept together.)
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from array import array
 from collections import OrderedDict, deque
-from typing import Container, Iterable
+from typing import TYPE_CHECKING, Container, Iterable, Iterator
 
 from .request import Phase, Sequence
 
+if TYPE_CHECKING:
+    from .kv_tiers import KVTiers
+
 _ROOT_KEY = 0  # parent key of a sequence's first page
+
+
+def chain_key(parent: int, salt: str, tokens: tuple[int, ...]) -> int:
+    """A page's prefix key: a stable 64-bit hash of its parent's key, the salt and its
+    token ids (Python's `hash` of a str differs between processes; the disk tier's
+    files must mean the same after a restart)."""
+    raw = salt.encode()
+    h = hashlib.blake2b(struct.pack("<QI", parent, len(raw)), digest_size=8)
+    h.update(raw)
+    h.update(array("i", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class PageAllocator:
@@ -59,6 +83,11 @@ class PageAllocator:
         self._page_of_key: dict[int, int] = {}
         self.query_tokens = 0  # prefix-cache lookups, in tokens
         self.hit_tokens = 0
+        # Tiers below the device (None: evicted pages are dropped), and the copies down
+        # and up planned since the policy last took them (`take_swaps`).
+        self.tiers: KVTiers | None = None
+        self.swap_out: list[tuple[int, int, int, tuple]] = []  # (page, slot, key, meta)
+        self.swap_in: list[tuple[int, int]] = []  # (host slot, page)
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -97,7 +126,7 @@ class PageAllocator:
                 page = self._free.popleft()
             else:
                 page, _ = self._lru.popitem(last=False)
-                self._uncache(page)
+                self._evict_cached(page)
             self.ref[page] = 1
             out.append(page)
         return out
@@ -142,7 +171,7 @@ class PageAllocator:
         done = 0
         while done < n and self._lru:
             page, _ = self._lru.popitem(last=False)
-            self._uncache(page)
+            self._evict_cached(page)
             self._free.append(page)
             done += 1
         return done
@@ -173,8 +202,55 @@ class PageAllocator:
         while len(keys) <= i:
             j = len(keys)
             parent = keys[j - 1] if j else _ROOT_KEY
-            keys.append(hash((parent, seq.cache_salt, tuple(seq.token_ids[j * ps:(j + 1) * ps]))))
+            keys.append(chain_key(parent, seq.cache_salt,
+                                  tuple(seq.token_ids[j * ps:(j + 1) * ps])))
         return keys[i]
+
+    def page_meta(self, seq: Sequence, i: int) -> tuple:
+        """What the sequence's page i holds: (parent key, salt, token ids)."""
+        ps = self.page_size
+        return (seq.page_keys[i - 1] if i else _ROOT_KEY, seq.cache_salt,
+                tuple(seq.token_ids[i * ps:(i + 1) * ps]))
+
+    def metas_from(self, seq: Sequence, first: int) -> Iterator[tuple[int, tuple]]:
+        """(key, meta) of the sequence's full prompt pages from page `first` on."""
+        for i in range(first, seq.num_tokens // self.page_size):
+            yield self.page_key(seq, i), self.page_meta(seq, i)
+
+    # -- the tiers below --------------------------------------------------------------------
+    def _evict_cached(self, page: int) -> None:
+        """A cached page leaves the device: down a tier if there is one, then uncached."""
+        tiers = self.tiers
+        if tiers is not None:
+            key, meta = self._key_of[page], self._meta[page]
+            slot = tiers.demote(key, meta)
+            if slot is not None:
+                self.swap_out.append((page, slot, key, meta))
+        self._uncache(page)
+
+    def take_up(self, seq: Sequence, slots: list[int]) -> list[int]:
+        """Give the sequence fresh pages for its next ``len(slots)`` full pages, found in
+        the host tier at `slots`: each (slot, page) into `swap_in`, run before any chunk
+        reads them, and the page cached under its key at once (immutable, as any hit).
+        Returns the new pages (the caller appends nothing: they are in ``seq.kv_pages``)."""
+        first = len(seq.kv_pages)
+        new = self.allocate(len(slots))
+        for i, (slot, page) in enumerate(zip(slots, new), first):
+            key = self.page_key(seq, i)
+            if key not in self._page_of_key:  # (a later page may still be on the device)
+                self._key_of[page] = key
+                self._meta[page] = self.page_meta(seq, i)
+                self._page_of_key[key] = page
+            self.swap_in.append((slot, page))
+        seq.kv_pages.extend(new)
+        self.tiers.copy_up_bytes += len(slots) * self.tiers.page_bytes
+        return new
+
+    def take_swaps(self) -> tuple[list, list]:
+        """The copies down and up planned since the last call, for the next `StepPlan`."""
+        out, inn = self.swap_out, self.swap_in
+        self.swap_out, self.swap_in = [], []
+        return out, inn
 
     def match(self, seq: Sequence) -> list[int]:
         """The longest run of cached pages that holds a prefix of ``seq.token_ids``.
@@ -199,15 +275,17 @@ class PageAllocator:
 
     def expected_hits(self, seq: Sequence, promised: Container[int] = ()) -> int:
         """Tokens of `seq`'s prompt that are likely to be cached when it runs: its leading
-        full pages whose keys are in the cache now or among `promised` (pages a sequence
-        queued or running ahead of it will have computed). An estimate for admission: no
+        full pages whose keys are in the cache now (any tier) or among `promised` (pages a
+        sequence queued or running ahead of it will have computed). An estimate for admission: no
         references taken, no collision check."""
         if not self.prefix_cache:
             return 0
         n = 0
+        tiers = self.tiers
         for i in range(seq.num_prompt_tokens // self.page_size):
             key = self.page_key(seq, i)
-            if key not in self._page_of_key and key not in promised:
+            if (key not in self._page_of_key and key not in promised
+                    and (tiers is None or not tiers.has(key))):
                 break
             n += 1
         return n * self.page_size
@@ -347,10 +425,12 @@ class PageAllocator:
             if self._page_of_key.get(key) != page:
                 problems.append(f"cached page {page} is not found under its key")
             if (meta is None or len(meta[2]) != self.page_size
-                    or hash((meta[0], meta[1], meta[2])) != key):
+                    or chain_key(meta[0], meta[1], meta[2]) != key):
                 problems.append(f"cached page {page}: its key does not name its contents")
         if keyed != len(self._page_of_key):
             problems.append(f"{keyed} pages keyed, {len(self._page_of_key)} keys cached")
+        if self.tiers is not None:
+            problems += self.tiers.audit()
         if len(problems) > limit:
             problems[limit:] = [f"... and {len(problems) - limit} more"]
         return problems

@@ -260,7 +260,9 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
                 if n == 0:
                     break  # admitted; its prefill starts next step
 
-        if not batch.seqs and not batch.plan.copies:
+        plan = batch.plan
+        plan.swap_out, plan.swap_in = self.pages.take_swaps()
+        if not (batch.seqs or plan.copies or plan.swap_out or plan.swap_in):
             return None
         batch.why = self._why(batch, itl_budget, reasons)
         self.plans[batch.why] += 1
@@ -344,11 +346,16 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
         pages = self.pages
         scoring = seq.scoring_prompt  # computes its whole prompt: no prefix hits
         hits = [] if scoring else pages.match(seq)
-        if (wait_for_prefix and not scoring
-                and pages.prefix_in_flight(seq, len(hits), self.running.values())):
+        lower: list[int] = []  # host slots continuing the device hits
+        if pages.tiers is not None and not scoring and pages.prefix_cache:
+            lower = self._lower_hits(seq, len(hits))
+            if lower is None:
+                return None  # its next pages are being read from disk: wait for them
+        if (wait_for_prefix and not scoring and pages.prefix_in_flight(
+                seq, len(hits) + len(lower), self.running.values())):
             return None
         num_tokens = seq.num_tokens
-        cached = len(hits) * pages.page_size
+        cached = (len(hits) + len(lower)) * pages.page_size
         # A fully cached sequence still computes its last position, for the logits; that
         # write lands in a cached page, hence a private copy (one more page).
         full_hit = cached == num_tokens
@@ -367,9 +374,12 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
                 batch.plan.adapter_loads.append((seq.adapter_slot, seq.adapter))
         pages.acquire(hits)
         seq.kv_pages.extend(hits)
+        if lower:  # copied up before the step's copies and chunks run (batch.registered:
+            batch.registered += pages.take_up(seq, lower)  # a failed launch forgets them)
+            pages.tiers.count_hits(lower)
         seq.num_computed_tokens = num_tokens - 1 if full_hit else cached
         if full_hit:
-            batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, len(hits) - 1))
+            batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, len(seq.kv_pages) - 1))
             batch.copied.append(seq)
         pages.grow(seq, num_tokens)
         pages.query_tokens += num_tokens
@@ -386,6 +396,19 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
             seq.num_charged_tokens = seq.num_computed_tokens
         self.waiting.charge(seq, num_tokens)
         return True
+
+    def _lower_hits(self, seq: Sequence, first: int) -> list[int] | None:
+        """Host slots holding the sequence's pages from page `first` on, where copying them
+        up beats computing them; None: the pages after those are on disk and are being
+        read into host slots now (asked for here if worth it), so it waits."""
+        pages, tiers = self.pages, self.pages.tiers
+        token_s = self.cost.prefill_token_s
+        slots = tiers.match(pages.metas_from(seq, first))
+        run, busy = tiers.on_disk(pages.metas_from(seq, first + len(slots)))
+        if busy or (run and tiers.worth(len(run), "disk", token_s)
+                    and tiers.request_load(run)):
+            return None
+        return slots if tiers.worth(len(slots), "host", token_s) else []
 
     def _admit_group(self, batch: Batch) -> None:
         while len(self.running) < self.max_running:

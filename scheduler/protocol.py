@@ -99,6 +99,11 @@ class StepPlan:
 
     chunks: list[SeqChunk]
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src_page, dst_page)
+    # The KV tiers (scheduler/kv_tiers.py), run in this order before `copies`: device pages
+    # copied down to host slots (page, slot, key, meta: what the slot then holds, for
+    # the disk tier), and host slots copied up into device pages (slot, page).
+    swap_out: list[tuple[int, int, int, tuple]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter)
 
     @property

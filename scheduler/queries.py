@@ -108,4 +108,5 @@ class Queries:
             prefix_cache_hits_tokens=pages.hit_tokens, preemptions=self.num_preemptions,
             step_plans=dict(self.plans),
             adapters=self.adapters.stats(),
+            kv_tiers=pages.tiers.stats() if pages.tiers is not None else {},
             kv_audit=pages.audit(s.kv_pages for s in self.running.values()) if audit else [])

@@ -55,6 +55,9 @@ class StepBooks:
     def forget(self, batch: Batch) -> list[Sequence]:
         """A launched step failed: the pages it offered the cache hold nothing. Returns
         the running sequences outside it that had taken them as prefix hits."""
+        tiers = self.pages.tiers
+        if tiers is not None and batch.plan.swap_out:  # never copied down: nothing there
+            tiers.forget(key for _, _, key, _ in batch.plan.swap_out)
         lost = set(batch.registered)
         if not lost:
             return []

@@ -196,6 +196,20 @@
     $(".kv-cached", view.root).style.width = `${(100 * kv.cached) / total}%`;
     $(".kv-legend", view.root).textContent =
       `${kv.in_use} in use · ${kv.cached} cached (prefix) · ${kv.free} free of ${kv.total}`;
+    // the tiers below the device pool (host RAM, disk), where the pool keeps them
+    const tiers = p.kv_tiers, tierLine = $(".kv-tiers", view.root);
+    tierLine.hidden = !tiers;
+    if (tiers) {
+      const hits = Object.entries(tiers.hit_rate_by_tier).map(([k, v]) => `${k} ${fmt.pct(v)}`);
+      const mb = (b) => `${(b / 1e6).toFixed(1)} MB`;
+      tierLine.textContent = [
+        `host ${tiers.host_pages} / ${tiers.host_slots} pages`,
+        tiers.disk_pages === null ? "no disk tier"
+          : `disk ${tiers.disk_pages} pages (${mb(tiers.disk_bytes)} of ${mb(tiers.disk_capacity_bytes)})`,
+        hits.length ? `hits by tier: ${hits.join(", ")}` : "no lookups in the window",
+        `copied up ${mb(tiers.copy_up_bytes_per_s)}/s, down ${mb(tiers.copy_down_bytes_per_s)}/s`,
+      ].join(" · ");
+    }
 
     // latency percentiles, one point per poll
     view.latency.push([now, p.ttft.p50, p.ttft.p95, p.itl.p50, p.itl.p95]);
