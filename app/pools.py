@@ -12,6 +12,7 @@ on every request and good enough, since all replicas of a pool are alike.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol, Sequence
 
 import trio
@@ -22,6 +23,8 @@ from scheduler.api import EngineDead, EngineStats, GenerateRequest, Overloaded
 from .adapters import PoolAdapters, Reader
 from .errors import bad_request, not_found
 from .grammar import Grammars
+
+log = logging.getLogger("sluice.pools")
 
 
 class TokenizerLike(Protocol):
@@ -163,8 +166,15 @@ class Pool:
         return [e.stats(audit) for e in self.engines]
 
     def close(self) -> None:
-        """Stop the replicas' background compiles (each ends after its current shape)."""
+        """Stop the replicas' background compiles (each ends after its current shape);
+        with a disk tier, first write the cached prefixes there (docs/operations.md,
+        "KV tiers")."""
         for engine in self.engines:
+            try:
+                if (n := engine.persist_prefixes()):
+                    log.info("%s: %d cached KV pages written to the disk tier", self.name, n)
+            except Exception:  # noqa: BLE001 - a cache: the next start recomputes
+                log.exception("%s: could not write the cached KV pages to disk", self.name)
             if close := getattr(engine.runner, "close", None):
                 close()
 

@@ -17,15 +17,20 @@ English words, deterministic from the seed, different per tenant); each request 
 tenant's system prompt plus its own 30-100-token question, a short answer (`max_tokens`
 16, `ignore_eos`), a streaming chat completion. Tenants are taken round-robin (default)
 or Zipf-distributed (`--order zipf --zipf-s 1.1`, seeded). A closed loop of C clients
-(default 4) sends the N requests (default 192) in that order; a 429 is waited out as told
-(`retry-after-ms`, else `Retry-After`) and the same request is retried (benchmarks/
-polite_load.py's clients).
+(default 4) first sends a warm-up of one request a tenant (`--warmup-requests`, not
+measured: the steady state is what a fleet lives in, and every variant computes each
+prefix once), then the N measured requests (default 192) in that order; a 429 is waited
+out as told (`retry-after-ms`, else `Retry-After`) and the same request is retried
+(benchmarks/polite_load.py's clients).
 
 Variants (`--variants`, default "off,host"), each on a fresh server that this script
 starts from a TOML config it writes (config/default.toml with the `[[pools]]` KV keys
 changed, the console off) and stops after:
-- off:  `kv_cache_bytes` only (default 64 MiB: a few of the 2,000-token prefixes), no tiers;
+- off:  `kv_cache_bytes` only (default 128 MiB: 684 pages of the default int8 pool, about
+  five of the 2,000-token prefixes, four of them in use at a time), no tiers;
 - host: plus `kv_host_bytes` (default 2 GiB);
+- pool: no tiers, the host variant's `kv_host_bytes` added to `kv_cache_bytes` instead (on
+  the CPU the device pool is host RAM too: the same memory, no copies);
 - disk: a small `kv_host_bytes` (default 128 MiB) plus `kv_disk_dir` (a fresh temporary
   folder unless `--disk-dir`) and `kv_disk_bytes` (default 4 GiB). With `--restart`, the
   server is then stopped and started again on the same disk folder, and one request for
@@ -40,13 +45,17 @@ store) is removed after a success and kept after a failure or with `--keep-tmp`.
 imports nothing of Sluice (httpx and trio only).
 
     .venv/bin/python benchmarks/many_tenants.py [--tenants 64] [--requests 192]
+        [--warmup-requests 64]
         [--concurrency 4] [--variants off,host,disk] [--order round-robin|zipf]
-        [--zipf-s 1.1] [--max-tokens 16] [--kv-cache-bytes 67108864]
+        [--zipf-s 1.1] [--max-tokens 16] [--kv-cache-bytes 134217728]
         [--host-bytes N] [--disk-host-bytes N] [--disk-bytes N] [--disk-dir DIR]
         [--restart] [--restart-tenants 8] [--tenants-with-keys] [--seed 0]
 
 It takes tens of minutes on a 2-core CPU (each variant prefills up to T x 2,000 prompt
 tokens, and each server start waits for its warm-up).
+
+(About 700 lines: the config writer, the server's life, the polite clients and the
+report, in one standalone script that imports nothing of Sluice.)
 """
 
 from __future__ import annotations
@@ -122,14 +131,17 @@ class Workload:
         self._systems: dict[int, str] = {}
         rng = random.Random(f"order:{args.seed}")
         t, n = args.tenants, args.requests
+        # The warm-up (not measured): each tenant in turn, so every prefix has been seen.
+        self.warmup = [i % t for i in range(args.warmup_requests)]
         if args.order == "zipf":
             weights = [1.0 / (rank ** args.zipf_s) for rank in range(1, t + 1)]
             # which tenant gets which rank is shuffled too, so tenant 0 is not always hot
             ranked = list(range(t))
             rng.shuffle(ranked)
-            self.order = [ranked[i] for i in rng.choices(range(t), weights=weights, k=n)]
+            measured = [ranked[i] for i in rng.choices(range(t), weights=weights, k=n)]
         else:
-            self.order = [i % t for i in range(n)]
+            measured = [i % t for i in range(n)]
+        self.order = self.warmup + measured
 
     def system(self, tenant: int) -> str:
         if tenant not in self._systems:
@@ -205,10 +217,11 @@ async def one_request(http: httpx.AsyncClient, body: dict, headers: dict[str, st
 
 
 async def closed_loop(http: httpx.AsyncClient, work: Workload, model: str,
-                      concurrency: int) -> list[dict]:
+                      concurrency: int, start: int = 0, end: int | None = None) -> list[dict]:
+    """Requests `work.order[start:end]` through `concurrency` clients."""
     records: list[dict] = []
-    indices = itertools.count()
-    n = len(work.order)
+    indices = itertools.count(start)
+    n = len(work.order) if end is None else end
 
     async def client() -> None:
         for i in indices:
@@ -225,7 +238,7 @@ async def closed_loop(http: httpx.AsyncClient, work: Workload, model: str,
     return sorted(records, key=lambda r: r["index"])
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[dict], warmed: list[int] = ()) -> dict:
     ok = [r for r in records if r["status"] == "ok"]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     statuses: dict[str, int] = {}
@@ -234,7 +247,7 @@ def summarize(records: list[dict]) -> dict:
     wall = (max(r["end"] for r in records) - min(r["start"] for r in records)) if records else 0
     tokens = sum(r["tokens"] for r in ok)
     prompts = [r["prompt_tokens"] for r in ok if r.get("prompt_tokens")]
-    seen: set[int] = set()
+    seen: set[int] = set(warmed)
     first_of_tenant, repeat = [], []  # a tenant's first request: its prefix is not cached
     for r in records:
         first = r["tenant"] not in seen
@@ -385,6 +398,8 @@ def write_config(args: argparse.Namespace, variant: str, folder: Path, port: int
     # The off variant writes no tier key at all (a server without tiers refuses them).
     if variant == "host":
         kv["kv_host_bytes"] = args.host_bytes
+    elif variant == "pool":  # the host tier's RAM given to the device pool instead
+        kv["kv_cache_bytes"] = args.kv_cache_bytes + args.host_bytes
     elif variant == "disk":
         assert disk_dir is not None
         kv.update(kv_host_bytes=args.disk_host_bytes, kv_disk_dir=str(disk_dir),
@@ -544,11 +559,16 @@ async def run_variant(args: argparse.Namespace, variant: str, work: Workload,
         async with _client(server.url, args) as http:
             model = await _model(http, work)
             out["system_prompt_tokens"] = await _system_tokens(http, work, model)
+            warm = len(work.warmup)
+            if warm:
+                note(f"{variant}: {warm} warm-up requests (not measured)")
+                await closed_loop(http, work, model, args.concurrency, 0, warm)
             before = await _get_metrics(http)
-            records = await closed_loop(http, work, model, args.concurrency)
+            records = await closed_loop(http, work, model, args.concurrency, warm)
             server.check_alive()
             after = await _get_metrics(http)
-            out.update(model=model, **summarize(records), **metric_delta(before, after))
+            out.update(model=model, warmup_requests=warm,
+                       **summarize(records, work.warmup), **metric_delta(before, after))
             out["stats_kv"] = stats_kv(await _get_stats(http, work.headers(0)))
         if variant == "disk" and args.restart:
             out["restart"] = await restart(args, work, server, model)
@@ -645,18 +665,21 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--tenants", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=192)
+    ap.add_argument("--requests", type=int, default=192, help="measured requests")
+    ap.add_argument("--warmup-requests", type=int, default=None,
+                    help="requests before the measured ones, each tenant in turn, not "
+                    "counted (default: one a tenant)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--variants", default="off,host",
-                    help="comma-separated, of off, host, disk (default: off,host)")
+                    help="comma-separated, of off, host, disk, pool (default: off,host)")
     ap.add_argument("--order", choices=("round-robin", "zipf"), default="round-robin")
     ap.add_argument("--zipf-s", type=float, default=1.1)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--system-tokens", type=int, default=2000,
                     help="about this many tokens of system prompt a tenant")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20,
-                    help="the device KV pool (default 64 MiB)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=128 * 2**20,
+                    help="the device KV pool (default 128 MiB)")
     ap.add_argument("--host-bytes", type=int, default=2 * 2**30,
                     help="kv_host_bytes of the host variant (default 2 GiB)")
     ap.add_argument("--disk-host-bytes", type=int, default=128 * 2**20,
@@ -686,10 +709,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-tmp", action="store_true",
                     help="keep the temporary folder (configs, server logs) after a success")
     args = ap.parse_args(argv)
+    if args.warmup_requests is None:
+        args.warmup_requests = args.tenants
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in args.variants if v not in ("off", "host", "disk")]
+    bad = [v for v in args.variants if v not in ("off", "host", "disk", "pool")]
     if bad or not args.variants:
-        ap.error(f"--variants: unknown {bad}; choose from off, host, disk")
+        ap.error(f"--variants: unknown {bad}; choose from off, host, disk, pool")
     if args.sluice is None:
         script = Path(sys.executable).parent / "sluice"
         args.sluice = str(script) if script.exists() else str(REPO / ".venv" / "bin" / "sluice")

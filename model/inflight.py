@@ -92,3 +92,4 @@ class Launched:
     t0: float  # launch began (perf_counter)
     t_dispatch: float  # packing done, programs being queued
     swap_mark: int = 0  # the KV tiers' copies down queued up to its launch (`settle`)
+    swap_in_s: float = 0.0  # seconds its copies up took (`StepResult.swap_in_seconds`)

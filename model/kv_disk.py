@@ -35,6 +35,9 @@ File format, version 1, little-endian:
 A read checks all of it against what the caller asked for (`meta` = parent key, cache
 salt, token ids): a hash collision or another tenant's page (a different salt) is never
 returned; the file is deleted instead.
+
+(About 560 lines: the file format, the index, the writer thread and every fault it
+survives share the one lock and the one set of books, and are read together.)
 """
 
 from __future__ import annotations

@@ -111,6 +111,19 @@ class TierStore:
                 key, meta = entries[j]
                 self.disk.put(key, meta, host[slot])
 
+    def persist(self, k: Any, v: Any, entries: list) -> None:
+        """Pages gathered from the pool straight to the disk tier (at shutdown: the
+        device's cached prefixes), each (key, meta) of `entries`; waits for the writer
+        when its queue is full rather than drop them."""
+        disk = self.disk
+        layers = self.page_shape[1]
+        k = np.asarray(k).reshape(layers, -1, *self.page_shape[2:])
+        v = np.asarray(v).reshape(layers, -1, *self.page_shape[2:])
+        for j, (key, meta) in enumerate(entries):
+            if disk.stats()["queued"] >= disk.max_queue:
+                disk.flush()
+            disk.put(key, meta, np.stack([k[:, j], v[:, j]]))
+
     # -- copies up --------------------------------------------------------------------------
     def gather(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The slots' K and V as the scatter program's inputs ([layers * SWAP_BUCKET, ...],

@@ -414,8 +414,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
 
     def _launch(self, plan: StepPlan) -> Launched | StepResult:
         t0 = time.perf_counter()
+        swap_s = 0.0
         if plan.swap_out or plan.swap_in:
-            self._run_swaps(plan)
+            swap_s = self._run_swaps(plan)
         if plan.copies:
             self._run_copies(plan.copies)
         for slot, name in plan.adapter_loads:
@@ -424,7 +425,8 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             self._prev_rows = {}
             if self.kv_store is not None:
                 self.kv_store.settle()
-            return StepResult(sampled={}, device_seconds=time.perf_counter() - t0)
+            return StepResult(sampled={}, device_seconds=time.perf_counter() - t0,
+                              swap_in_seconds=swap_s)
         bucket, rows, layout, batch = self._assemble(plan)
         t_dispatch = time.perf_counter()
         logits, _ = self._dev_step(bucket, batch)
@@ -437,7 +439,8 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         self._prev_rows = {c.seq_id: r for r, c in enumerate(layout.samples)}
         ticket = self._ready.watch(logits if packed is None else packed)
         return Launched(layout, bucket, logits, packed, scores, ticket, t0, t_dispatch,
-                        swap_mark=self.kv_store.mark if self.kv_store is not None else 0)
+                        swap_mark=self.kv_store.mark if self.kv_store is not None else 0,
+                        swap_in_s=swap_s)
 
     def _collect(self, l: Launched | StepResult, return_logits: bool = False) -> StepResult:
         if isinstance(l, StepResult):
@@ -460,24 +463,43 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                             host_seconds=max(0.0, l.t_dispatch - begin),
                             prompt_logprobs=scores, failed=failed,
                             idle_seconds=max(0.0, l.t_dispatch - prev) if prev else 0.0,
-                            wait_seconds=wait)
+                            wait_seconds=wait, swap_in_seconds=l.swap_in_s)
         if return_logits:
             host = np.asarray(l.logits)
             result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}
         return result
 
-    def _run_swaps(self, plan: StepPlan) -> None:
+    def _run_swaps(self, plan: StepPlan) -> float:
         """The KV tiers' copies, down then up (model/kv_tiers.py), before the copies and
-        chunks of the step: a page copied down may be the target of one copied up."""
+        chunks of the step: a page copied down may be the target of one copied up.
+        Returns the seconds the copies up took (host work and handing them over; on a GPU
+        the transfer itself runs on in stream order)."""
         store = self.kv_store
         for i in range(0, len(plan.swap_out), SWAP_BUCKET):
             part = plan.swap_out[i:i + SWAP_BUCKET]
             k, v = self._dev_swap_out(self._page_rows([p for p, _, _, _ in part]))
             store.queued([s for _, s, _, _ in part], k, v, [(key, meta) for _, _, key, meta in part])
+        t0 = time.perf_counter()
         for i in range(0, len(plan.swap_in), SWAP_BUCKET):
             part = plan.swap_in[i:i + SWAP_BUCKET]
             k, v = store.gather([s for s, _ in part])
             self._dev_swap_in(self._page_rows([p for _, p in part]), k, v)
+        return time.perf_counter() - t0 if plan.swap_in else 0.0
+
+    def save_pages(self, entries: list[tuple[int, int, tuple]]) -> int:
+        """Write device pages, each (page, key, meta), to the disk tier and wait for the
+        writes (a server stopping keeps its cached prefixes for the next start); returns
+        how many were offered. Nothing may be running on the pool."""
+        store = self.kv_store
+        if store is None or store.disk is None or not entries:
+            return 0
+        with self._lock:
+            for i in range(0, len(entries), SWAP_BUCKET):
+                part = entries[i:i + SWAP_BUCKET]
+                k, v = self._dev_swap_out(self._page_rows([p for p, _, _ in part]))
+                store.persist(k, v, [(key, meta) for _, key, meta in part])
+        store.disk.flush(timeout=60.0)
+        return len(entries)
 
     def _page_rows(self, pages: list[int]) -> np.ndarray:
         """Pool rows of `pages` in every layer, layer-major, padded to `SWAP_BUCKET` pages

@@ -228,6 +228,16 @@ class Engine(Delivery):
         if self.scheduler.adapters.retire(name):
             self.runner.drop_adapter(name)
 
+    def persist_prefixes(self) -> int:
+        """At shutdown, once the loop has stopped: the device's cached prefix pages not on
+        the disk tier yet go there, so a restart on the same folder finds them (the
+        runner's `save_pages`; 0 without a disk tier). Returns the pages written."""
+        store = getattr(self.runner, "kv_store", None)
+        if store is None or store.disk is None or self._flight:
+            return 0
+        entries = [e for e in self.scheduler.pages.cached_entries() if e[1] not in store.disk]
+        return self.runner.save_pages(entries)
+
     def start_draining(self) -> None:
         """Refuse new work (Overloaded "draining"); what is queued or running finishes."""
         self._draining = True
@@ -400,6 +410,9 @@ class Engine(Delivery):
             self._failures = 0
         if result.device_seconds > 0:
             self.scheduler.observe(batch, result.device_seconds, result.shape)
+        if result.swap_in_seconds > 0 and (tiers := self.scheduler.pages.tiers) is not None:
+            tiers.note_rate("host", len(batch.plan.swap_in) * tiers.page_bytes,
+                            result.swap_in_seconds)
         for seq, tok in sampled:
             try:
                 self._take(seq, tok, t1)

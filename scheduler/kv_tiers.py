@@ -75,6 +75,12 @@ class KVTiers:
         self._loading: dict[int, int] = {}  # key -> slot being read from disk
         self._jobs: list[LoadJob] = []  # loads asked for, not yet started
         self._from_disk: set[int] = set()  # slots read from disk, not hit since
+        # Slots a copy up of the plan being built reads: never reused in the same plan
+        # (its copies down would land there first; `PageAllocator.take_swaps` unpins).
+        self.pinned: set[int] = set()
+        # Slots with a copy down planned and not yet known done (until its step is
+        # committed): a disk read never takes one, its thread would race the runner.
+        self._unsettled: dict[int, int] = {}
         # Counters (tokens and bytes), for /metrics.
         self.hit_tokens = {"host": 0, "disk": 0}
         self.copy_up_bytes = 0  # host -> device
@@ -92,6 +98,11 @@ class KVTiers:
     def num_loading(self) -> int:
         return len(self._loading)
 
+    @property
+    def num_unsettled(self) -> int:
+        """Host slots with a copy down whose step has not been committed yet."""
+        return len(self._unsettled)
+
     # -- moving down ------------------------------------------------------------------------
     def demote(self, key: int, meta: Meta) -> int | None:
         """A cached device page is evicted: the host slot its contents go to, or None when
@@ -106,8 +117,19 @@ class KVTiers:
             return None  # every slot is being loaded: nothing to evict
         self._set(slot, key, meta)
         self._lru[slot] = None
+        self._unsettled[slot] = self._unsettled.get(slot, 0) + 1
         self.copy_down_bytes += self.page_bytes
         return slot
+
+    def settled(self, slots) -> None:
+        """The steps carrying these copies down are done (committed or failed)."""
+        unsettled = self._unsettled
+        for slot in slots:
+            n = unsettled.get(slot, 0) - 1
+            if n > 0:
+                unsettled[slot] = n
+            else:
+                unsettled.pop(slot, None)
 
     def forget(self, keys) -> None:
         """The step that was to compute (or copy down) these pages failed: the host tier
@@ -176,12 +198,16 @@ class KVTiers:
             self.rate[tier] = r + _RATE_ALPHA * (nbytes / seconds - r)
 
     # -- reading from disk ------------------------------------------------------------------
-    def request_load(self, run: list[tuple[int, Meta]]) -> int:
+    def request_load(self, run: list[tuple[int, Meta]], keep: list[int] = ()) -> int:
         """Reserve host slots for a run of disk pages and queue their read (`take_loads`);
-        returns how many pages will be read (fewer when slots run short)."""
+        returns how many pages will be read (fewer, or none, when slots run short). The
+        slots in `keep` (the host hits of the same prompt) and those read from disk and
+        not hit since are never taken for it: two prompts cannot evict each other's pages
+        back and forth; nor one whose copy down may not have landed yet."""
         job = LoadJob([], [], [])
+        spare = {*keep, *self._from_disk, *self._unsettled}
         for key, meta in run:
-            slot = self._take_slot()
+            slot = self._take_slot(spare)
             if slot is None:
                 break
             self._key_of[slot], self._meta[slot] = key, meta
@@ -218,13 +244,16 @@ class KVTiers:
             self.note_rate("disk", good * self.page_bytes, seconds)
 
     # -- internals --------------------------------------------------------------------------
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, spare: Container[int] = ()) -> int | None:
+        """A free slot, else the least recently used one neither pinned nor in `spare`."""
         if self._free:
             return self._free.popleft()
-        if self._lru:
-            slot, _ = self._lru.popitem(last=False)
-            self._unset(slot)
-            return slot
+        pinned = self.pinned
+        for slot in self._lru:
+            if slot not in spare and slot not in pinned:
+                del self._lru[slot]
+                self._unset(slot)
+                return slot
         return None
 
     def _set(self, slot: int, key: int, meta: Meta) -> None:

@@ -234,7 +234,8 @@ class PageAllocator:
         reads them, and the page cached under its key at once (immutable, as any hit).
         Returns the new pages (the caller appends nothing: they are in ``seq.kv_pages``)."""
         first = len(seq.kv_pages)
-        new = self.allocate(len(slots))
+        self.tiers.pinned.update(slots)  # the evictions `allocate` may make copy down
+        new = self.allocate(len(slots))  # into other slots than these
         for i, (slot, page) in enumerate(zip(slots, new), first):
             key = self.page_key(seq, i)
             if key not in self._page_of_key:  # (a later page may still be on the device)
@@ -246,10 +247,19 @@ class PageAllocator:
         self.tiers.copy_up_bytes += len(slots) * self.tiers.page_bytes
         return new
 
+    def cached_entries(self) -> list[tuple[int, int, tuple]]:
+        """Every page the prefix cache holds, (page, key, meta), least recently used
+        first (the unreferenced ones in LRU order, then those in use)."""
+        held = [p for p in range(1, self.num_pages)
+                if self.ref[p] and self._key_of[p] is not None]
+        return [(p, self._key_of[p], self._meta[p]) for p in (*self._lru, *held)]
+
     def take_swaps(self) -> tuple[list, list]:
         """The copies down and up planned since the last call, for the next `StepPlan`."""
         out, inn = self.swap_out, self.swap_in
         self.swap_out, self.swap_in = [], []
+        if self.tiers is not None:
+            self.tiers.pinned.clear()
         return out, inn
 
     def match(self, seq: Sequence) -> list[int]:

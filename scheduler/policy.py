@@ -378,8 +378,8 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
             batch.registered += pages.take_up(seq, lower)  # a failed launch forgets them)
             pages.tiers.count_hits(lower)
         seq.num_computed_tokens = num_tokens - 1 if full_hit else cached
-        if full_hit:
-            batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, len(seq.kv_pages) - 1))
+        if full_hit and (copy := pages.copy_on_write(seq.kv_pages, len(seq.kv_pages) - 1)):
+            batch.plan.copies.append(copy)  # (a page copied up may be private already)
             batch.copied.append(seq)
         pages.grow(seq, num_tokens)
         pages.query_tokens += num_tokens
@@ -406,7 +406,7 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
         slots = tiers.match(pages.metas_from(seq, first))
         run, busy = tiers.on_disk(pages.metas_from(seq, first + len(slots)))
         if busy or (run and tiers.worth(len(run), "disk", token_s)
-                    and tiers.request_load(run)):
+                    and tiers.request_load(run, keep=slots)):
             return None
         return slots if tiers.worth(len(slots), "host", token_s) else []
 

@@ -147,6 +147,9 @@ class StepResult:
     # Seconds `collect` (or `step`) blocked waiting for the computation to finish (0: not
     # measured): the rest of an iteration is host work.
     wait_seconds: float = 0.0
+    # Seconds the runner spent copying this plan's `swap_in` pages up from host slots
+    # (0: none): the KV tiers' measured copy rate (scheduler/kv_tiers.py `worth`).
+    swap_in_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ class StepBooks:
         tiers = self.pages.tiers
         if tiers is not None and batch.plan.swap_out:  # never copied down: nothing there
             tiers.forget(key for _, _, key, _ in batch.plan.swap_out)
+            tiers.settled(slot for _, slot, _, _ in batch.plan.swap_out)
         lost = set(batch.registered)
         if not lost:
             return []
@@ -72,6 +73,8 @@ class StepBooks:
         since the launch are skipped (a token of theirs is dropped)."""
         if not batch.epochs and batch.seqs:
             self.launched(batch)  # a caller that steps synchronously (simulations)
+        if batch.plan.swap_out:  # its copies down have landed in their host slots
+            self.pages.tiers.settled(slot for _, slot, _, _ in batch.plan.swap_out)
         ps = self.pages.page_size
         out = []
         sampled = result.sampled

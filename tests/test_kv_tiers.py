@@ -4,7 +4,8 @@ engine, the runner's host buffer and swap programs, and the disk store.
 - prefixes evicted from a pool too small for them are served from the host tier: tokens
   identical to a cold computation, the prompt not recomputed;
 - a fresh runner on the same disk folder (a restart) serves a known prefix from disk,
-  tokens identical, logprobs within the pool's distance;
+  tokens identical, logprobs within the pool's distance, whether the prefix had been
+  evicted or was still on the device when the server stopped;
 - one tenant's prefix is never another's hit, on any tier;
 - corrupt, truncated and foreign-model files, and the folder removed while serving: the
   engine keeps serving (those pages are computed) and says so once in the log;
@@ -85,6 +86,8 @@ def check_books(engine: Engine) -> None:
     pages.check([s.kv_pages for s in engine.scheduler.running.values()])
     assert pages.num_in_use == 0
     assert not pages.swap_out and not pages.swap_in
+    if pages.tiers is not None:
+        assert not pages.tiers.num_loading and not pages.tiers.num_unsettled
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +129,21 @@ async def test_disk_tier_survives_a_restart(tmp_path, cold, caplog):
     _, engine = await serve(other, [(0, 0, "")])
     assert engine.scheduler.pages.tiers.hit_tokens == {"host": 0, "disk": 0}
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_cached_prefixes_are_written_to_disk_at_shutdown(tmp_path, cold):
+    runner = make_runner(tmp_path, host_bytes=40 * 4096)
+    _, engine = await serve(runner, [(0, 0, "")])  # nothing evicted: nothing on disk yet
+    runner.kv_store.disk.flush()
+    assert len(runner.kv_store.disk) == 0
+    assert engine.persist_prefixes() >= SYSTEM // PAGE
+    assert engine.persist_prefixes() == 0  # all there already
+    runner.close()
+    again = make_runner(tmp_path, host_bytes=40 * 4096)
+    out, engine = await serve(again, [(0, 0, "")])
+    assert engine.scheduler.pages.tiers.hit_tokens["disk"] >= SYSTEM - PAGE
+    assert out[0][0] == cold[0][0]
+    check_books(engine)
 
 
 async def test_one_tenants_prefix_is_never_anothers_hit(tmp_path):

@@ -37,6 +37,14 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
+async def complete_with(http: httpx.AsyncClient, prompt: str) -> str:
+    r = await http.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
 def test_a_disk_tier_needs_a_host_tier(tmp_path):
     with pytest.raises(ValueError, match="kv_host_bytes"):
         PoolConfig(kv_disk_dir=str(tmp_path))
@@ -48,11 +56,7 @@ async def test_prompts_go_down_the_tiers_and_back_up(tmp_path):
     async with real_server(settings(tmp_path)) as (url, state):
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             async def complete(p: str) -> str:
-                r = await http.post("/v1/completions", json={
-                    "model": MODEL, "prompt": p, "max_tokens": 4, "temperature": 0,
-                    "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["text"]
+                return await complete_with(http, p)
 
             first = [await complete(p) for p in prompts]
             again = [await complete(p) for p in prompts[:3]]  # evicted: from the host tier
@@ -71,4 +75,13 @@ async def test_prompts_go_down_the_tiers_and_back_up(tmp_path):
             tiers = pool["kv_tiers"]
             assert tiers["host_pages"] > 0 and tiers["host_slots"] == 64
             assert tiers["disk_pages"] is not None
+            assert metric(text, "sluice:kv_tier_pages", tier="host") == tiers["host_pages"]
+            assert pages_in_use(state) == 0
+    # Stopped, its cached prefixes went to disk: the next start serves them from there.
+    async with real_server(settings(tmp_path)) as (url, state):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            assert await complete_with(http, prompts[5]) == first[5]
+            text = (await http.get("/metrics")).text
+            assert metric(text, "sluice:prefix_cache_hits_by_tier_total", tier="disk") > 0
+            await settle(state)
             assert pages_in_use(state) == 0

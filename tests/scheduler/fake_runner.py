@@ -17,6 +17,11 @@ back. A `pending` chunk's token is the one the fake sampled for that sequence in
 launched just before (anything else fails the step), so an engine that fed a wrong or
 stale token would make the outputs differ from `reference()`.
 
+KV tiers: with `host_slots`, the fake keeps host slots of page contents (and with `disk`
+a dict of files by key, their meta beside them) and runs a plan's `swap_out` and
+`swap_in` before its copies, as the real runner does: a page copied up from the wrong
+slot, or a slot reused before it was read, changes the output too.
+
 LoRA adapters: the fake holds `adapter_slots` slots, filled by the plan's
 `adapter_loads`; a chunk's tokens run under the adapter its slot holds *now*, which adds
 `adapter_offset(name)` to the rule's token. A sequence whose slot was given to another
@@ -75,6 +80,28 @@ class PlanRecord:
         return tuple(c for c in self.chunks if len(c.token_ids) == 1 and c.sample)
 
 
+class FakeTierStore:
+    """The fake's host slots and disk (`FakeRunner(host_slots=...)`)."""
+
+    def __init__(self, host_slots: int, page_size: int, disk: bool) -> None:
+        self.host_slots = host_slots
+        self.page_bytes = page_size
+        self.host: list[list[int | None] | None] = [None] * host_slots
+        self.disk: dict[int, tuple] | None = {} if disk else None  # key -> (meta, page)
+        self.loads = 0
+
+    def load(self, job) -> None:
+        ok = []
+        for slot, key, meta in zip(job.slots, job.keys, job.metas):
+            found = self.disk.get(key) if self.disk is not None else None
+            good = found is not None and found[0] == meta
+            if good:
+                self.host[slot] = list(found[1])
+            ok.append(good)
+        job.ok = ok
+        self.loads += 1
+
+
 class FakeRunner:
     def __init__(
         self,
@@ -88,7 +115,10 @@ class FakeRunner:
                                         max_prefill_chunk=64, max_prefill_tokens=128),
         rule: Callable[[Sequence[int]], int] | None = None,
         adapter_slots: int = 0,
+        host_slots: int = 0,
+        disk: bool = False,
     ) -> None:
+        self.kv_store = FakeTierStore(host_slots, page_size, disk) if host_slots else None
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_context = max_context
@@ -163,6 +193,14 @@ class FakeRunner:
             raise RuntimeError("injected runner failure")
         self._check(rec)
         ps = self.page_size
+        store = self.kv_store
+        for page, slot, key, meta in plan.swap_out:
+            store.host[slot] = list(self.pool[page])
+            if store.disk is not None:
+                store.disk[key] = (meta, list(self.pool[page]))
+        for slot, page in plan.swap_in:
+            assert store.host[slot] is not None, f"host slot {slot} copied up, never filled"
+            self.pool[page] = list(store.host[slot])
         for src, dst in rec.copies:
             self.pool[dst] = list(self.pool[src])
         for slot, name in rec.adapter_loads:

@@ -8,6 +8,7 @@ import math
 
 from config.settings import SchedulerConfig
 from scheduler.api import GenerateRequest
+from scheduler.kv_tiers import KVTiers
 from scheduler.policy import Batch, Scheduler
 from scheduler.request import Sequence
 
@@ -32,6 +33,10 @@ class Sim:
         self.sched = Scheduler(config, num_pages=runner.num_pages, page_size=runner.page_size,
                                limits=runner.limits, clock=self.clock,
                                adapter_slots=runner.adapter_slots)
+        store = getattr(runner, "kv_store", None)
+        if store is not None:  # the KV tiers, as the engine sets them up
+            self.sched.pages.tiers = KVTiers(store.host_slots, store.page_bytes,
+                                             disk=store.disk, page_size=runner.page_size)
         self.seqs: dict[int, Sequence] = {}  # every sequence ever submitted (unique ids)
         self.batches: list[Batch] = []
         self.finished: list[Sequence] = []
@@ -47,7 +52,12 @@ class Sim:
         return seq
 
     def step(self) -> Batch | None:
-        batch = self.sched.schedule()
+        for _ in range(100):  # disk reads done, the plan again (a livelock would spin)
+            batch = self.sched.schedule()
+            if not self._loads() or batch is not None:
+                break
+        else:
+            raise AssertionError("disk reads asked for again and again, nothing planned")
         if batch is None:
             return None
         self.batches.append(batch)
@@ -60,6 +70,17 @@ class Sim:
         self.clock.advance(0.01)
         self.check()
         return batch
+
+    def _loads(self) -> bool:
+        """Disk reads the plan asked for, done at once (the engine runs them in threads)."""
+        tiers = self.sched.pages.tiers
+        if tiers is None:
+            return False
+        jobs = tiers.take_loads()
+        for job in jobs:
+            self.runner.kv_store.load(job)
+            tiers.loaded(job)
+        return bool(jobs)
 
     def run(self, max_steps: int = 100_000) -> int:
         for n in range(max_steps):

@@ -94,3 +94,36 @@ PolicyMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestPolicy = PolicyMachine.TestCase
+
+
+class TieredPolicyMachine(PolicyMachine):
+    """The same with KV tiers below the tiny pool (scheduler/kv_tiers.py): evicted prefix
+    pages go down to 6 host slots and a disk, and come back up; files vanish at random
+    (their pages are then computed). The fake runner copies page contents down and up,
+    so a wrong slot or a slot reused too early changes the outputs."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        runner = FakeRunner(page_size=4, num_pages=17, vocab=50, adapter_slots=2,
+                            limits=StepLimits(max_decode_seqs=6, max_prefill_seqs=2,
+                                              max_prefill_chunk=6, max_prefill_tokens=8),
+                            host_slots=6, disk=True)
+        self.sim = Sim(runner, SchedulerConfig(max_step_tokens=10, max_running=6,
+                                               kv_reserve_pages=1))
+
+    @precondition(lambda self: self.sim.runner.kv_store.disk)
+    @rule(data=st.data())
+    def lose_a_file(self, data):
+        disk = self.sim.runner.kv_store.disk
+        del disk[data.draw(st.sampled_from(sorted(disk)))]
+
+    def teardown(self):
+        super().teardown()
+        tiers = self.sim.sched.pages.tiers
+        assert not tiers.audit() and not tiers.num_loading and not tiers.num_unsettled
+
+
+TieredPolicyMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestTieredPolicy = TieredPolicyMachine.TestCase
