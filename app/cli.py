@@ -20,6 +20,7 @@ benchmarks.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import msgspec
@@ -94,10 +95,16 @@ def _parser() -> argparse.ArgumentParser:
                         "multiplied by the native kernel; q4_1 the projections in Q4_1 "
                         "blocks times int8 activations (default: the config's)")
     s.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"],
-                   help="what the KV pool stores; auto: bfloat16 beside int8 weights on "
-                        "the CPU (twice the tokens, AMX attention), else the model's dtype; "
-                        "int8 (CPU): int8 rows with a scale each, 1.9x bf16's tokens "
-                        "(default: the config's)")
+                   help="what the KV pool stores; auto: int8 rows with a scale each beside "
+                        "the CPU's native weights (1.9x bf16's tokens), else the model's "
+                        "dtype; bfloat16 (CPU): AMX prompt attention (default: the "
+                        "config's)")
+    s.add_argument("--kv-host-bytes", type=_byte_size, metavar="SIZE",
+                   help="KV tiers: host RAM that prefix pages evicted from the pool move "
+                        "to, e.g. 2GiB (config: kv_host_bytes; 0: off)")
+    s.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="KV tiers: a folder for pages below the host tier, kept across "
+                        "restarts (config: kv_disk_dir; needs --kv-host-bytes)")
     m = s.add_argument_group(
         "multi-host replica", "one replica over N processes (jax.distributed): process 0 "
         "serves HTTP, the others only run its steps on their devices (docs/operations.md)")
@@ -186,10 +193,32 @@ def settings_from(args: argparse.Namespace) -> Settings:
             pool = replace(pool, quantization=args.quantization)
         if getattr(args, "kv_cache_dtype", None):
             pool = replace(pool, kv_cache_dtype=args.kv_cache_dtype)
+        tiers = {k: v for k in ("kv_host_bytes", "kv_disk_dir")
+                 if (v := getattr(args, k, None)) is not None}
+        if tiers:
+            try:
+                pool = replace(pool, **tiers)
+            except ValueError as e:  # e.g. a disk tier without a host tier
+                raise ConfigError(f"--kv-host-bytes / --kv-disk-dir: {e}") from None
         if i == 0 and getattr(args, "model", None):
             pool = replace(pool, model=args.model)
         pools.append(pool)
     return replace(settings, server=server, pools=pools)
+
+
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """`2GiB`, `512MiB`, `1.5G` or plain bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", text, re.I)
+    unit = (m.group(2) or "").lower().rstrip("b") if m else None
+    if unit is not None and unit.endswith("i"):
+        unit += "b"
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -50,8 +50,9 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     tokenizer.warm()  # the first request must not pay for the template's compile
     groups = device_groups(cfg)
     runners = [ModelRunner.for_pool(config, loaded.params, cfg,
-                                    eos_token_ids=tokenizer.eos_token_ids, devices=group)
-               for group in groups]
+                                    eos_token_ids=tokenizer.eos_token_ids, devices=group,
+                                    replica=i if cfg.replicas > 1 else None)
+               for i, group in enumerate(groups)]
     del loaded  # the runners hold the weights now, in their own layout
     if multihost.active():  # from here on every device call is mirrored to the followers
         runners[0].mirror = multihost.Leader()

@@ -42,7 +42,7 @@ Compiled programs are shared between the variants' servers through SLUICE_JAX_CA
 step shape left to compile. It prints one JSON line per variant as each ends, then
 {"summary": ...}. The temporary folder (configs, server logs, the disk tier, the batch
 store) is removed after a success and kept after a failure or with `--keep-tmp`. It
-imports nothing of Sluice (httpx and trio only).
+imports nothing of Sluice (httpx, trio and benchmarks/polite_load.py's client).
 
     .venv/bin/python benchmarks/many_tenants.py [--tenants 64] [--requests 192]
         [--warmup-requests 64]
@@ -82,26 +82,15 @@ from typing import Any
 import httpx
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
+# The polite client and its prompt text (a sibling script, beside this one on sys.path).
+from polite_load import _text, polite_request
 
-_WORDS = """time year people way day thing life world school state family group country
-problem hand part place case week company system program question work number night point
-home water room area money story fact month right study book job word business issue side
-kind head house service friend power hour game line end member law car city community name
-team minute idea body information back level office door health person art history party
-result change morning reason research moment air force education river market bridge engine
-winter summer letter window table garden mountain valley forest ocean island village harbor
-station library museum theater the the the a a of of to to and and in is that it for on with
-as was be by this are or from at have not but which can all their will one has more when""".split()
+REPO = Path(__file__).resolve().parent.parent
 
 # This vocabulary under SmolLM2's tokenizer is about one token a word (measured with
 # /tokenize: 1,764 tokens for a 1,752-word system prompt in the chat template); the
 # prompt's own first words and the template take about 25 tokens.
 SYSTEM_OVERHEAD_TOKENS = 25
-
-
-def _text(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -168,51 +157,10 @@ class Workload:
 
 
 async def one_request(http: httpx.AsyncClient, body: dict, headers: dict[str, str]) -> dict:
-    """One polite streaming request: 429s are waited out and retried; TTFT from the first
-    send to the first content delta."""
-    rec: dict[str, Any] = {"status": None, "ttft_s": None, "refusals": 0, "tokens": 0}
-    first = time.monotonic()
-    while True:
-        try:
-            async with http.stream("POST", "/v1/chat/completions", json=body,
-                                   headers=headers) as r:
-                if r.status_code == 429:
-                    await r.aread()
-                    rec["refusals"] += 1
-                    ms = r.headers.get("retry-after-ms")
-                    wait = float(ms) / 1000 if ms else float(r.headers.get("retry-after", 1))
-                    await trio.sleep(wait)
-                    continue
-                if r.status_code != 200:
-                    await r.aread()
-                    rec["status"] = f"http_{r.status_code}"
-                    rec["error"] = r.text[:300]
-                    break
-                chunks = 0
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        rec["status"] = chunk["error"].get("code") or "stream_error"
-                        break
-                    if chunk.get("usage"):
-                        rec["tokens"] = chunk["usage"].get("completion_tokens") or 0
-                        rec["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
-                    delta = (chunk.get("choices") or [{}])[0].get("delta", {})
-                    if not delta.get("content"):
-                        continue
-                    chunks += 1
-                    if rec["ttft_s"] is None:
-                        rec["ttft_s"] = time.monotonic() - first
-                rec["tokens"] = rec["tokens"] or chunks
-                rec["status"] = rec["status"] or "ok"
-                break
-        except httpx.HTTPError as e:
-            rec["status"] = f"client_{type(e).__name__}"
-            break
-    rec["end"] = time.monotonic()
-    rec["start"] = first
+    """One polite streaming request (benchmarks/polite_load.py's client): 429s waited out
+    and retried; `ttft_s` from the first send to the first content delta."""
+    rec = await polite_request(http, body, headers)
+    rec["ttft_s"] = rec.pop("ttft_from_first_s")
     return rec
 
 

@@ -58,6 +58,68 @@ def dist(values: list[float]) -> dict:
             "p99": round(float(np.percentile(a, 99)), 4), "max": round(float(a.max()), 4)}
 
 
+async def polite_request(http: httpx.AsyncClient, body: dict,
+                         headers: dict[str, str] | None = None) -> dict:
+    """One streamed chat completion by a polite client: a 429 is waited out as told
+    (`retry-after-ms`, else `Retry-After`) and the same request sent again. Its record:
+    status ("ok", "http_N", an error event's code, "client_<httpx error>"), refusals and
+    each one's latency and Retry-After, `ttft_s` (of the admitted attempt),
+    `ttft_from_first_s` (from the first send), the gaps between content chunks, tokens
+    (the usage's, else the chunks), prompt tokens, and `start` / `end` (monotonic)."""
+    rec: dict = {"refusals": 0, "refused_s": [], "retry_after_s": [], "status": None,
+                 "ttft_s": None, "ttft_from_first_s": None, "gaps_s": [], "tokens": 0,
+                 "prompt_tokens": None}
+    first = time.monotonic()
+    try:
+        while True:
+            t0 = time.monotonic()
+            async with http.stream("POST", "/v1/chat/completions", json=body,
+                                   headers=headers) as r:
+                if r.status_code == 429:
+                    await r.aread()
+                    rec["refused_s"].append(time.monotonic() - t0)
+                    rec["refusals"] += 1
+                    ms = r.headers.get("retry-after-ms")
+                    wait = float(ms) / 1000 if ms else float(r.headers.get("retry-after", 1))
+                    rec["retry_after_s"].append(wait)
+                    await trio.sleep(wait)
+                    continue
+                if r.status_code != 200:
+                    await r.aread()
+                    rec["status"] = f"http_{r.status_code}"
+                    rec["error"] = r.text[:300]
+                    break
+                last = None
+                chunks = 0
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        rec["status"] = chunk["error"].get("code") or "stream_error"
+                        break
+                    if chunk.get("usage"):
+                        rec["tokens"] = chunk["usage"].get("completion_tokens") or 0
+                        rec["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
+                    delta = (chunk.get("choices") or [{}])[0].get("delta", {})
+                    if not delta.get("content"):
+                        continue
+                    now = time.monotonic()
+                    chunks += 1
+                    if last is None:
+                        rec["ttft_s"], rec["ttft_from_first_s"] = now - t0, now - first
+                    else:
+                        rec["gaps_s"].append(now - last)
+                    last = now
+                rec["tokens"] = rec["tokens"] or chunks
+                rec["status"] = rec["status"] or "ok"
+                break
+    except httpx.HTTPError as e:
+        rec["status"] = f"client_{type(e).__name__}"
+    rec["start"], rec["end"] = first, time.monotonic()
+    return rec
+
+
 class Load:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -78,53 +140,11 @@ class Load:
                              {"role": "user", "content": question}]}
 
     async def one(self, http: httpx.AsyncClient, i: int, model: str, measured: bool) -> None:
-        body = self.body(i, model)
-        rec = {"index": i, "refusals": 0, "refused_s": [], "retry_after_s": [],
-               "status": None, "ttft_s": None, "ttft_from_first_s": None, "gaps_s": [],
-               "tokens": 0}
-        first = time.monotonic()
-        while True:
-            t0 = time.monotonic()
-            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                if r.status_code == 429:
-                    await r.aread()
-                    rec["refused_s"].append(time.monotonic() - t0)
-                    rec["refusals"] += 1
-                    ms = r.headers.get("retry-after-ms")
-                    wait = float(ms) / 1000 if ms else float(r.headers.get("retry-after", 1))
-                    rec["retry_after_s"].append(wait)
-                    await trio.sleep(wait)
-                    continue
-                if r.status_code != 200:
-                    rec["status"] = f"http_{r.status_code}"
-                    break
-                last = None
-                chunks = 0
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        rec["status"] = chunk["error"].get("code") or "stream_error"
-                        break
-                    if chunk.get("usage"):
-                        rec["tokens"] = chunk["usage"].get("completion_tokens") or 0
-                    delta = (chunk.get("choices") or [{}])[0].get("delta", {})
-                    if not delta.get("content"):
-                        continue
-                    now = time.monotonic()
-                    chunks += 1
-                    if last is None:
-                        rec["ttft_s"], rec["ttft_from_first_s"] = now - t0, now - first
-                    else:
-                        rec["gaps_s"].append(now - last)
-                    last = now
-                rec["tokens"] = rec["tokens"] or chunks
-                rec["status"] = rec["status"] or "ok"
-                break
+        rec = await polite_request(http, self.body(i, model))
+        rec["index"] = i
         if measured:
             self.records.append(rec)
-            self.window += [first, time.monotonic()]
+            self.window += [rec["start"], rec["end"]]
 
     async def run(self) -> dict:
         a = self.args

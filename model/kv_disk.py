@@ -80,6 +80,11 @@ _PROBLEMS = {
 }
 
 
+def _private(path: str, flags: int) -> int:
+    """Open for writing as the owner's alone (0600): a page holds what a prompt computed."""
+    return os.open(path, flags, 0o600)
+
+
 def _dtype_tag(dtype: np.dtype) -> str:
     # `str` alone names every bfloat16/float8 "<V2"/"<V1"; `name` alone drops byte order.
     return f"{dtype.str}:{dtype.name}"
@@ -152,7 +157,7 @@ class DiskStore:
         self._counts = collections.Counter()  # writes, write_bytes, reads, read_bytes, ...
 
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # prompts' KV: private
             probe = self._dir / f".probe.{os.getpid()}{TMP_SUFFIX}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -234,7 +239,7 @@ class DiskStore:
                       "serving; its pages are dropped and recomputed, new pages are "
                       "stored in a fresh folder")
         try:
-            os.makedirs(self._dir, exist_ok=True)
+            os.makedirs(self._dir, mode=0o700, exist_ok=True)
         except OSError:
             pass  # the next write fails and counts as "write"
 
@@ -529,7 +534,7 @@ class DiskStore:
         final = self._path(key)
         tmp = self._dir / f".{key:016x}.{os.getpid()}{TMP_SUFFIX}"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=_private) as f:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, final)

@@ -219,9 +219,11 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
     @classmethod
     def for_pool(cls, config: ModelConfig, params: dict, pool, *,
                  eos_token_ids: Iterable[int] = (),
-                 devices: Sequence[Any] | None = None) -> "ModelRunner":
+                 devices: Sequence[Any] | None = None,
+                 replica: int | None = None) -> "ModelRunner":
         """A runner shaped by a pool's settings (`config.settings.PoolConfig`), on
-        `devices` (None: JAX's default device).
+        `devices` (None: JAX's default device). Replica i of several keeps its disk
+        tier in `kv_disk_dir/replica-i` (each its own files and `kv_disk_bytes`).
 
         Under an ITL target every decode bucket from the smallest mixed one up is also
         compiled beside the prompt chunks: the running set's size then follows from the
@@ -244,7 +246,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                    time_all_shapes=pool.scheduler.strict_itl_s > 0,
                    quantization=pool.quantization, kv_cache_dtype=pool.kv_cache_dtype,
                    devices=devices, kv_host_bytes=pool.kv_host_bytes,
-                   kv_disk_dir=pool.kv_disk_dir and os.path.expanduser(pool.kv_disk_dir),
+                   kv_disk_dir=pool.kv_disk_dir and os.path.join(
+                       os.path.expanduser(pool.kv_disk_dir),
+                       *([f"replica-{replica}"] if replica is not None else [])),
                    kv_disk_bytes=pool.kv_disk_bytes)
 
     # ------------------------------------------------------------------------ adapters

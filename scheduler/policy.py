@@ -28,7 +28,10 @@
    batch within one iteration. A head that does not fit blocks the ones behind it (small
    requests must not starve a big urgent one forever). A sequence whose next uncached page
    is being computed right now by a running prefill waits for it instead (then it hits
-   the prefix cache), and the sequences behind it go ahead. A sequence with a LoRA
+   the prefix cache), and the sequences behind it go ahead. With KV tiers
+   (scheduler/kv_tiers.py), hits continue below the device: pages in the host tier are
+   copied up into fresh pages (`_lower_hits`, `PageAllocator.take_up`), and a prompt
+   whose next pages are on disk waits while they are read, the others going ahead. A sequence with a LoRA
    adapter also needs an adapter slot (`adapters.py`); without one it waits, base-model
    sequences go ahead, and no other adapter sequence takes a slot past it. Batch jobs'
    sequences (the last class) take only what `background.py` grants beside interactive

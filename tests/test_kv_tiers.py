@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from config.settings import SchedulerConfig
-from model.runner import ModelRunner
+from model.runner import ModelRunner, enable_compilation_cache
 from scheduler.api import FinishEvent, GenerateRequest, TokenEvent
 from scheduler.engine import Engine
 from scheduler.protocol import SamplingParams
@@ -38,6 +38,7 @@ CFG = SchedulerConfig(max_step_tokens=68, max_running=4, kv_reserve_pages=0,
 
 
 def make_runner(tmp_path=None, *, host_bytes=0, seed=0, disk_bytes=1 << 30) -> ModelRunner:
+    enable_compilation_cache()  # the runners after the first compile nothing
     r = ModelRunner(TINY, random_params(TINY, seed), page_size=PAGE, num_pages=40,
                     max_context=512, decode_buckets=(1, 4), prefill_buckets=(32, 64),
                     block_q=8, max_prefill_seqs=2, kv_host_bytes=host_bytes,

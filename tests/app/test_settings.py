@@ -100,3 +100,8 @@ def test_cli_overrides():
     plain = settings_from(_parser().parse_args(["serve"]))
     assert plain.pools[0].scheduler.overlap is True
     assert plain == load_settings()
+    tiers = settings_from(_parser().parse_args(
+        ["serve", "--kv-host-bytes", "2GiB", "--kv-disk-dir", "/srv/kv"])).pools[0]
+    assert (tiers.kv_host_bytes, tiers.kv_disk_dir) == (2 << 30, "/srv/kv")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--kv-host-bytes", "lots"])

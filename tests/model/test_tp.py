@@ -168,3 +168,10 @@ def test_device_config_errors_name_the_key():
                                          r"has 1 cpu devices"):
         device_groups(PoolConfig(name="a", tensor_parallel=2))
     assert device_groups(PoolConfig(name="a", replicas=2)) == [None, None]
+
+
+def test_kv_tiers_at_tp_2_match_tp_1():
+    """Pages copied down from a pool split by KV head, and back up into it."""
+    one, two = run_forced("tests.model.tp_tiers_check")
+    assert one["host_hits"] > 0 and two["host_hits"] == one["host_hits"]
+    assert two["tokens"] == one["tokens"]
