@@ -23,10 +23,11 @@ import trio
 
 from config.settings import SchedulerConfig
 from model.runner import ModelRunner, enable_compilation_cache
-from scheduler.api import FinishEvent, GenerateRequest, TokenEvent
+from scheduler.api import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
 from scheduler.engine import Engine
 from scheduler.protocol import SamplingParams
 
+from .app.faults import FaultyRunner, InjectedFault
 from .model.test_runner import TINY, random_params
 from .scheduler.fake_runner import FakeDetokenizer
 
@@ -54,7 +55,10 @@ def prompt(tenant: int, question: int) -> list[int]:
     return system + [(question * 7 + j) % 290 + 5 for j in range(5)]
 
 
-async def generate(engine: Engine, ids: list[int], salt: str = "") -> tuple[list, list]:
+async def generate(engine: Engine, ids: list[int], salt: str = "",
+                   errors: bool = False) -> tuple[list, list] | None:
+    """Greedy tokens and logprobs; None for a request that ended with an error (only
+    when `errors`)."""
     h = engine.submit(GenerateRequest(prompt_ids=ids, max_tokens=6, sampling=GREEDY,
                                       ignore_eos=True, cache_salt=salt))
     toks, lps = [], []
@@ -64,12 +68,14 @@ async def generate(engine: Engine, ids: list[int], salt: str = "") -> tuple[list
             lps += [lp.logprob for lp in ev.logprobs]
         elif isinstance(ev, FinishEvent):
             return toks, lps
+        elif errors and isinstance(ev, ErrorEvent):
+            return None
         else:
             raise AssertionError(f"unexpected {ev!r}")
     raise AssertionError("no finish")
 
 
-async def serve(runner, requests):
+async def serve(runner, requests, errors: bool = False):
     """Run (tenant, question, salt) requests one after another on a fresh engine:
     their outputs and the engine."""
     engine = Engine(runner, FakeDetokenizer(), CFG)
@@ -77,7 +83,7 @@ async def serve(runner, requests):
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         for tenant, q, salt in requests:
-            out.append(await generate(engine, prompt(tenant, q), salt))
+            out.append(await generate(engine, prompt(tenant, q), salt, errors))
         nursery.cancel_scope.cancel()
     return out, engine
 
@@ -199,3 +205,33 @@ async def test_bad_files_are_skipped_and_the_server_keeps_serving(tmp_path, cold
     check_books(engine2)
     disk = again.kv_store.disk.stats()
     assert disk["bytes"] <= disk["capacity_bytes"]
+
+
+class FailingSwaps(FaultyRunner):
+    """Fails the first step whose plan copies pages down (`swap_out`) or up (`swap_in`),
+    before anything of it runs."""
+
+    def __init__(self, inner, kind: str) -> None:
+        super().__init__(inner)
+        self.kind = kind
+
+    def launch(self, plan):
+        if not self.failed_steps and getattr(plan, self.kind):
+            self.failed_steps += 1
+            raise InjectedFault(f"injected failure of a step with a {self.kind}")
+        return self.inner.launch(plan)
+
+
+@pytest.mark.parametrize("kind", ["swap_out", "swap_in"])
+async def test_a_failed_step_leaves_no_tier_page_that_was_never_copied(kind, cold):
+    """A step that fails before its copies ran: the host slots it was to fill and the
+    device pages it was to fill are forgotten, so no later request reads them."""
+    runner = FailingSwaps(make_runner(host_bytes=200 * 4096), kind)
+    tenants = [(t, 0, "") for t in range(6)]
+    requests = tenants * 3  # each prefix evicted and hit again, twice, in one engine
+    out, engine = await serve(runner, requests, errors=True)
+    assert runner.failed_steps == 1 and 1 <= sum(o is None for o in out) <= 2
+    for (t, _, _), got in zip(requests, out):
+        assert got is None or got[0] == cold[t][0]
+    assert engine.scheduler.pages.tiers.hit_tokens["host"] > 0
+    check_books(engine)
