@@ -307,7 +307,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                              f"{page_bytes} bytes; at least {SWAP_BUCKET} are needed")
         disk = None
         if disk_dir:
-            leaves = [np.asarray(a).reshape(-1)[:64] for _, a in
+            # A few weights' first values, sliced where they live (an 8B model's
+            # embedding is not copied to the host for 64 numbers).
+            leaves = [np.asarray(a.reshape(-1)[:64]) for _, a in
                       sorted(jax.tree_util.tree_leaves_with_path(params),
                              key=lambda kv: jax.tree_util.keystr(kv[0]))[:4]]
             fp = model_fingerprint(self.base_config, weights=quantization,
