@@ -30,7 +30,7 @@ arguments are host data: a multi-host replica's process 0 sends each one to the 
 processes first (`mirror`, model/multihost.py), so they run the same programs in the
 same order.
 
-(About 410 lines: the device state's construction, its formats, shapes and placement settled
+(About 520 lines: the device state's construction, its formats, shapes and placement settled
 in one place, and every device call beside the lock that guards it.)
 """
 

@@ -25,18 +25,18 @@ wrong K/V. Only full pages are registered; a partial last page is private.
 Registered pages and pages with ``ref > 1`` are immutable: a sequence that must write into
 one (its whole prompt was a hit, so the last position is recomputed into the last page)
 first gets a private copy; the (src, dst) pair goes into `StepPlan.copies`, which the
-runner executes before any chunk of that step.
+runner executes before any chunk of that step. Pages are registered when the step that
+computes them is launched (any step that reads them runs after it); if that step fails,
+`forget` takes them back out.
 
 With tiers below the device (scheduler/kv_tiers.py, `tiers`), evicting a cached page
 moves it down: the page's (page, host slot, key, meta) joins `swap_out`, which the policy
 moves into the next `StepPlan` (the runner copies it out before that step writes
 anything), and `take_up` gives a prompt fresh pages for the pages it found in the host
-tier, each (host slot, page) into `swap_in`. Pages are registered when the step that
-computes them is launched (any step that reads them runs after it); if that step fails,
-`forget` takes them back out.
+tier, each (host slot, page) into `swap_in`.
 
-(About 360 lines: allocation, the prefix cache and its audit share the three-state books
-above and are kept together.)
+(About 450 lines: allocation, the prefix cache, its hand-over to the tiers below and
+the audit share the three-state books above and are kept together.)
 """
 
 from __future__ import annotations
