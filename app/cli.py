@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-strict", action="store_true",
                    help="hold every step to the ITL target, the number of streams "
                         "included: it follows from the target (config: itl_strict)")
+    s.add_argument("--speculative", choices=["off", "ngram"],
+                   help="speculative decoding: ngram proposes the tokens that followed the "
+                        "last few tokens earlier in the prompt or answer, verified in the "
+                        "same step; output unchanged (config: speculative)")
+    s.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="proposals a sequence may verify in one step, at most (config: "
+                        "num_speculative_tokens, 4)")
     s.add_argument("--quantization", choices=["auto", "none", "int8", "q4_1"],
                    help="CPU: int8 keeps the projections and lm_head as int8 weights, "
                         "multiplied by the native kernel; q4_1 the projections in Q4_1 "
@@ -188,6 +195,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, itl_target_s=args.itl_target)
         if getattr(args, "itl_strict", False):
             sched = replace(sched, itl_strict=True)
+        if getattr(args, "speculative", None):
+            sched = replace(sched, speculative=args.speculative)
+        if getattr(args, "num_speculative_tokens", None) is not None:
+            sched = replace(sched, num_speculative_tokens=args.num_speculative_tokens)
         pool = replace(pool, scheduler=sched)
         if getattr(args, "quantization", None):
             pool = replace(pool, quantization=args.quantization)

@@ -88,6 +88,41 @@ class GrammarConstraint:
         """The grammar is complete and allows nothing more (the answer is over)."""
         return self._matcher.is_stopped()
 
+    # Speculative decoding (scheduler/speculative.py): proposals are checked against the
+    # grammar before they are verified, and each verify row samples under the mask the
+    # grammar would have after the proposals before it.
+    def valid_prefix(self, tokens) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (it does not move)."""
+        return self._matcher.validate_tokens(list(tokens))
+
+    def after(self, tokens) -> "_After":
+        """This constraint as it would be after `tokens` (allowed: `valid_prefix`), for
+        one `fill`; the state itself does not move."""
+        return _After(self._matcher, list(tokens))
+
+
+class _After:
+    """A grammar's mask after some proposed tokens: consumed, the mask written, rolled back
+    (in the step's worker thread, before the engine feeds the sampled tokens)."""
+
+    __slots__ = ("_matcher", "_tokens")
+
+    def __init__(self, matcher, tokens: list[int]) -> None:
+        self._matcher = matcher
+        self._tokens = tokens
+
+    def fill(self, row: np.ndarray) -> None:
+        m = self._matcher
+        n = m.try_consume_tokens(self._tokens)
+        try:
+            if n == len(self._tokens):
+                m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            else:  # (never planned: proposals are cut where the grammar refuses them)
+                row[:] = 0
+        finally:
+            if n:
+                m.rollback(n)
+
 
 class Grammars:
     """Compiles grammars for one tokenizer and hands out constraints (thread-safe)."""

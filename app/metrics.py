@@ -179,6 +179,16 @@ class _EngineCollector:
                               ("kind",))
         tier_families = (tier_pages, tier_bytes, tier_capacity, tier_hits, tier_copies,
                          tier_errors)
+        # Speculative decoding, with vLLM's names and meanings (scheduler/speculative.py).
+        spec_drafts = counter("spec_decode_num_drafts", "Verifies run: a sequence's "
+                              "proposed tokens checked in one step.")
+        spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                "Proposed tokens accepted (each a token without a step).")
+        spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                               "Proposed tokens accepted, by their position in the "
+                               "proposal (0: the first).", ("position",))
+        spec_families = (spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos)
 
         router = self.metrics.router
         reasons: Counter[tuple[str, str, str]] = Counter(self.metrics.app_rejections)
@@ -222,6 +232,8 @@ class _EngineCollector:
                     reasons[(pool.model_name, pool.name, reason)] += n
             if any(s.kv_tiers for s in stats):
                 _kv_tiers(stats, lv, tier_families)
+            if pool.config.scheduler.speculative != "off":
+                _speculative(stats, lv, spec_families)
             if pool.config.max_loras:
                 _lora(stats, lv, pool.config.max_loras, len(pool.adapters.by_name),
                       (lora_info, lora_requests, lora_tokens, lora_loads, lora_swaps,
@@ -233,7 +245,7 @@ class _EngineCollector:
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
                     itl_target, plans, ttft_factor, prediction, host, compute, idle,
-                    *tier_families, lora_info,
+                    *tier_families, *spec_families, lora_info,
                     lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 
@@ -303,6 +315,19 @@ def _batch_metrics(st: dict) -> Iterator[Metric]:
                             "would miss their completion window.", value=st["at_risk"])
     yield GaugeMetricFamily("sluice:batches_active", "Batches not yet ended.",
                             value=st["active"])
+
+
+def _speculative(stats, lv: list[str], families) -> None:
+    """A pool's speculative decoding, summed over its replicas."""
+    drafts, draft_tokens, accepted, per_pos = families
+    specs = [s.speculative for s in stats if s.speculative]
+    drafts.add_metric(lv, sum(x["drafts"] for x in specs))
+    draft_tokens.add_metric(lv, sum(x["draft_tokens"] for x in specs))
+    accepted.add_metric(lv, sum(x["accepted_tokens"] for x in specs))
+    width = max((len(x["accepted_per_position"]) for x in specs), default=0)
+    for i in range(width):
+        per_pos.add_metric(lv + [str(i)], sum(x["accepted_per_position"][i] for x in specs
+                                             if i < len(x["accepted_per_position"])))
 
 
 def _kv_tiers(stats, lv: list[str], families) -> None:

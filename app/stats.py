@@ -28,7 +28,7 @@ import numpy as np
 import trio
 
 from .stats_schema import (BatchProgress, KvPages, KvTiers, Percentiles, PoolStats,
-                           ReplicaStats, Series, Slo, Stats, Step, TenantStats)
+                           ReplicaStats, Series, Slo, Speculative, Stats, Step, TenantStats)
 
 if TYPE_CHECKING:
     from .pools import Pool
@@ -185,7 +185,32 @@ def _counters(stats: list, app_rejections: dict, pool: Pool) -> dict[str, Any]:
         replicas=len(stats),
         plans=_summed(s.step_plans for s in stats),
         tiers=_summed(_tier_counters(s.kv_tiers) for s in stats if s.kv_tiers),
+        spec=_summed(_spec_counters(s.speculative) for s in stats if s.speculative),
     )
+
+
+def _spec_counters(sp: dict) -> dict[str, int]:
+    return {"drafts": sp["drafts"], "draft_tokens": sp["draft_tokens"],
+            "accepted": sp["accepted_tokens"], "emitted": sp["emitted_tokens"],
+            **{f"pos{i}": n for i, n in enumerate(sp["accepted_per_position"])}}
+
+
+def _speculative(pool: Pool, cur: dict, old: dict, span: float) -> Speculative | None:
+    mode = pool.config.scheduler.speculative
+    if mode == "off":
+        return None
+    now, then = cur["spec"], old.get("spec") or {}
+
+    def d(key: str) -> float:
+        return now.get(key, 0) - then.get(key, 0)
+
+    drafts, verified = d("drafts"), d("draft_tokens")
+    k = pool.config.scheduler.num_speculative_tokens
+    return Speculative(
+        mode=mode, drafts_per_s=_rate(drafts, 0, span), draft_tokens_per_s=_rate(verified, 0, span),
+        acceptance_rate=d("accepted") / verified if verified else None,
+        mean_accepted_length=d("emitted") / drafts if drafts else None,
+        acceptance_by_position=[d(f"pos{i}") / drafts if drafts else 0.0 for i in range(k)])
 
 
 def _tier_counters(t: dict) -> dict[str, int]:
@@ -321,6 +346,7 @@ def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s:
         refused_per_s=refused, shed_per_s=shed, busy_fraction=busy, useful_busy_fraction=useful,
         replicas=replicas, series=_series(live, pool.name, now, window_s),
         kv_tiers=_kv_tiers(stats, cur, old, span),
+        speculative=_speculative(pool, cur, old, span),
         step_plans={k: round(n / planned, 4) for k, n in plans.items() if n} if planned else {})
 
 

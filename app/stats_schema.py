@@ -51,6 +51,18 @@ class KvTiers(msgspec.Struct):
     disk_errors: dict[str, int]  # files skipped or writes failed, by kind (since start)
 
 
+class Speculative(msgspec.Struct):
+    """Speculative decoding (pools with `scheduler.speculative`; scheduler/speculative.py),
+    over the window: proposals verified and accepted."""
+
+    mode: str  # the proposer ("ngram")
+    drafts_per_s: float  # verifies a second
+    draft_tokens_per_s: float  # proposed tokens verified a second
+    acceptance_rate: float | None  # accepted / verified proposals (None: none verified)
+    mean_accepted_length: float | None  # tokens a verify yielded, its own included
+    acceptance_by_position: list[float]  # share of verifies accepting position i
+
+
 class Step(msgspec.Struct):
     """One engine step: what it carried and how long it took."""
 
@@ -118,6 +130,7 @@ class PoolStats(msgspec.Struct):
     # a prompt about to miss the TTFT target took bigger chunks (scheduler/policy.py).
     step_plans: dict[str, float] = msgspec.field(default_factory=dict)
     kv_tiers: KvTiers | None = None  # None: the pool keeps no tiers below the device
+    speculative: Speculative | None = None  # None: speculative decoding off
 
 
 class TenantStats(msgspec.Struct):

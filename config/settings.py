@@ -96,6 +96,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # admitted only while this fraction of the KV pages stays free.
     batch_slowdown: float = 0.1
     batch_kv_reserve: float = 0.2
+    # Speculative decoding (scheduler/speculative.py): "ngram" proposes the tokens that
+    # followed the last `ngram_max`..`ngram_min` tokens' latest earlier occurrence in the
+    # prompt and output (prompt lookup), verified in spare decode rows of the same step;
+    # output is token for token what plain decoding gives. Per sequence, k follows its
+    # acceptance, up to num_speculative_tokens; a step proposes only where the step-cost
+    # model says the tokens per second go up within the ITL target, never beside a prompt
+    # chunk. "off": never.
+    speculative: Literal["off", "ngram"] = "off"
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
+    ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
 
     @property
     def strict_itl_s(self) -> float:

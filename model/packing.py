@@ -10,6 +10,7 @@ its own metadata. Nothing here compiles or touches a device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -55,15 +56,40 @@ def sample_rows(bucket: Bucket, block_q: int, max_prefill_seqs: int) -> int:
 def split(plan: StepPlan, max_decode_rows: int, block_q: int
           ) -> tuple[list[SeqChunk], list[SeqChunk], Bucket]:
     """(decode chunks, prefill chunks, the smallest bucket they fit), each group sorted
-    longest context first. One-token chunks decode while there is room."""
-    dec: list[SeqChunk] = []
+    longest context first. A speculative verify's positions are decode rows
+    (`draft_rows`); one-token chunks decode while there is room."""
+    dec: list[SeqChunk] = [row for c in plan.chunks if c.draft for row in draft_rows(c)]
+    if len(dec) > max_decode_rows:
+        raise ValueError(f"{len(dec)} verify rows > {max_decode_rows} decode rows")
     pf: list[SeqChunk] = []
     for c in plan.chunks:
-        (dec if len(c.token_ids) == 1 and len(dec) < max_decode_rows else pf).append(c)
+        if not c.draft:
+            (dec if len(c.token_ids) == 1 and len(dec) < max_decode_rows else pf).append(c)
     dec.sort(key=lambda c: c.start_pos, reverse=True)
     pf.sort(key=lambda c: c.start_pos + len(c.token_ids), reverse=True)
     pf_tokens = sum(-(-len(c.token_ids) // block_q) * block_q for c in pf)
     return dec, pf, Bucket(len(dec), pf_tokens)
+
+
+def draft_rows(c: SeqChunk) -> list[SeqChunk]:
+    """A verify chunk (`SeqChunk.draft` k) as k + 1 one-token rows, one per position, each
+    sampled as if the proposals before it were the sequence's: its key's step, the
+    tokens penalties count, the grammar's state (`constraint.after`). The rows write
+    their keys and values before any reads them (every layer writes the step's tokens,
+    then attends), so row i sees the proposals before it."""
+    toks = list(c.token_ids)
+    rows = []
+    for i, t in enumerate(toks):
+        before = toks[1:1 + i]
+        rows.append(dataclasses.replace(
+            c, token_ids=[t], start_pos=c.start_pos + i, sample=True,
+            num_generated=c.num_generated + i, draft=0, score_targets=(),
+            penalty_token_ids=([*c.penalty_token_ids, *before]
+                               if before and c.sampling.needs_penalties
+                               else c.penalty_token_ids),
+            constraint=(c.constraint.after(before) if before and c.constraint is not None
+                        else c.constraint)))
+    return rows
 
 
 def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: int,

@@ -455,7 +455,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         if self.kv_store is not None:  # the copies down queued before it have run too
             self.kv_store.settle(upto=l.swap_mark)
         layout, bucket = l.layout, l.bucket
-        sampled, failed = ({}, {}) if l.packed is None else sampling.unpack(
+        sampled, failed, drafted = ({}, {}, {}) if l.packed is None else sampling.unpack(
             np.asarray(l.packed), layout.samples)  # the one device-to-host copy
         scores = {} if l.scores is None else self._scorer.unpack(layout.scored, l.scores)
         # The step's own time: from its launch, or from the end of the step before if it
@@ -469,7 +469,8 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                             host_seconds=max(0.0, l.t_dispatch - begin),
                             prompt_logprobs=scores, failed=failed,
                             idle_seconds=max(0.0, l.t_dispatch - prev) if prev else 0.0,
-                            wait_seconds=wait, swap_in_seconds=l.swap_in_s)
+                            wait_seconds=wait, swap_in_seconds=l.swap_in_s,
+                            drafted=drafted)
         if return_logits:
             host = np.asarray(l.logits)
             result.logits = {c.seq_id: host[r] for r, c in enumerate(layout.samples)}

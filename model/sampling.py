@@ -262,15 +262,18 @@ def kind_of(rows: list) -> str:
     return "full"
 
 
-def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dict[int, str]]:
+def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dict[int, str],
+                                                   dict[int, list[SampledToken]]]:
     """The packed [rows, PACK_WIDTH] result -> (seq_id -> SampledToken (logprobs if
-    asked), seq_id -> why its row failed).
+    asked), seq_id -> why its row failed, seq_id -> the tokens of a sequence with several
+    rows (a speculative verify, `packing.draft_rows`), in position order).
 
     A row whose chosen token's logprob is not finite had a NaN or an infinity among its
     logits (log-softmax spreads either to the whole row; finite logits always give a
-    finite logprob): it fails alone instead of emitting an arbitrary token. The check
-    reads a value the sampler computes anyway, so it costs nothing on the device."""
-    out, failed = {}, {}
+    finite logprob): it fails alone instead of emitting an arbitrary token (a verify's
+    sequence fails if any of its rows does). The check reads a value the sampler
+    computes anyway, so it costs nothing on the device."""
+    out, failed, several = {}, {}, {}
     finite = np.isfinite(packed[:len(rows), 1])
     for r, c in enumerate(rows):
         if not finite[r]:
@@ -284,5 +287,12 @@ def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dic
             tok.top_logprobs = [TokenLogprob(int(packed[r, 2 + j]),
                                              float(packed[r, 2 + TOP_LOGPROBS + j]))
                                 for j in range(k)]
-        out[c.seq_id] = tok
-    return out, failed
+        if c.seq_id in out:
+            several.setdefault(c.seq_id, [(out[c.seq_id][0], out[c.seq_id][1])]).append(
+                (c.start_pos, tok))
+            if c.start_pos > out[c.seq_id][0]:
+                continue
+        out[c.seq_id] = (c.start_pos, tok)
+    drafted = {sid: [t for _, t in sorted(toks, key=lambda pt: pt[0])]
+               for sid, toks in several.items() if sid not in failed}
+    return ({sid: t for sid, (_, t) in out.items() if sid not in failed}, failed, drafted)

@@ -141,6 +141,9 @@ class EngineStats:
     # The KV tiers below the device pool (scheduler/kv_tiers.py `KVTiers.stats`; empty:
     # none): pages and bytes per tier, hits per tier, bytes copied up and down.
     kv_tiers: dict = field(default_factory=dict)
+    # Speculative decoding (scheduler/speculative.py `Speculation.spec_stats`): the mode,
+    # verifies, proposals verified and accepted (per position), acceptance.
+    speculative: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

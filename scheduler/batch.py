@@ -33,7 +33,17 @@ class Batch:
     # planned within (0: none): /v1/stats and the dashboard show them step by step.
     why: str = "decode-only"
     budget_s: float = 0.0
+    # Decode rows beyond one a sequence: the proposals of its verify chunks
+    # (scheduler/speculative.py); the step's decode rows are `decode_rows`.
+    draft_rows: int = 0
+    # A sequence in it would propose once its token is known: commit before the next
+    # plan (no overlap after it).
+    spec_sync: bool = False
+
+    @property
+    def decode_rows(self) -> int:
+        return self.num_decode + self.draft_rows
 
     def predicted(self, cost: StepCostModel) -> float:
         """The step-cost model's estimate of this step's seconds."""
-        return cost.predict(self.num_decode, self.prefill_padded, self.work)
+        return cost.predict(self.decode_rows, self.prefill_padded, self.work)

@@ -31,8 +31,10 @@ class Delivery:
     """Output and endings of an engine's requests."""
 
     # -- ending requests ---------------------------------------------------------------
-    def _take(self, seq: Sequence, tok, now: float) -> None:
-        """One sampled token into a sequence's output: text, stops, grammar, ending."""
+    def _take(self, seq: Sequence, tok, now: float, unseen: int = 0) -> None:
+        """One sampled token into a sequence's output: text, stops, grammar, ending.
+        `unseen`: tokens of the same verify appended after it (scheduler/speculative.py),
+        taken back if this one ends the sequence."""
         out = seq.output
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -44,16 +46,18 @@ class Delivery:
                 out.prompt_logprobs = tuple(seq.prompt_scores)
         grammar = seq.constraint
         if grammar is not None and not grammar.accept(tok.token_id):
+            _take_back(seq, unseen)
             self._end_request(seq, "error", ErrorEvent(
                 message=f"structured output failed: {grammar.error}"))
             return
         reason = "stop" if out.append(tok) else None
         if reason is None and grammar is not None and grammar.finished:
             reason = "stop"  # the grammar is complete: nothing more may follow
-        if reason is None and (seq.num_generated >= seq.max_tokens
-                               or seq.num_tokens >= self.runner.max_context):
+        if reason is None and (seq.num_generated - unseen >= seq.max_tokens
+                               or seq.num_tokens - unseen >= self.runner.max_context):
             reason = "length"
         if reason is not None:
+            _take_back(seq, unseen)
             self._end_request(seq, reason)
         elif out.has_text:
             self._deliver(seq)
@@ -168,3 +172,10 @@ class Delivery:
         out.sent()
         out.final = None
         out.channel.close()
+
+
+def _take_back(seq: Sequence, n: int) -> None:
+    """Drop the last `n` tokens appended (a verify's, after the one that ended it)."""
+    if n:
+        del seq.token_ids[-n:]
+        del seq.output_ids[-n:]

@@ -77,7 +77,7 @@ from .kv_tiers import KVTiers
 from .output import OutputStream
 from .policy import Scheduler
 from .protocol import Detokenizer, Runner, RunnerLost
-from .request import Sequence
+from .request import Phase, Sequence
 from .step_log import StepLog, StepRecord
 
 EVENT_BUFFER = 16  # events per request channel; more than that are coalesced
@@ -374,8 +374,10 @@ class Engine(Delivery):
                 self._die(f"engine {self.name!r} is dead: {exc}")
             return None
         self.scheduler.launched(batch)
+        # A verify's next proposals need its tokens on the host too.
         launched = _Launched(batch, handle, t0, predicted, index,
-                             overlappable=not any(s.needs_host_token for s in batch.seqs))
+                             overlappable=not (batch.draft_rows or batch.spec_sync or any(
+                                 s.needs_host_token for s in batch.seqs)))
         self._flight.append(launched)
         return launched
 
@@ -413,9 +415,17 @@ class Engine(Delivery):
         if result.swap_in_seconds > 0 and (tiers := self.scheduler.pages.tiers) is not None:
             tiers.note_rate("host", len(batch.plan.swap_in) * tiers.page_bytes,
                             result.swap_in_seconds)
+        # A verify yields several tokens of one sequence, appended already: each is
+        # taken with the number after it, which a stop among them takes back.
+        after = {}
+        for seq, _ in sampled:
+            after[id(seq)] = after.get(id(seq), 0) + 1
         for seq, tok in sampled:
+            after[id(seq)] -= 1
+            if seq.phase is Phase.DONE:
+                continue  # ended by a token before this one of the same verify
             try:
-                self._take(seq, tok, t1)
+                self._take(seq, tok, t1, unseen=after[id(seq)])
             except Exception as exc:  # this request's output alone is broken
                 self._output_failed(seq, exc)
         self._end_deferred_aborts()
@@ -436,6 +446,9 @@ class Engine(Delivery):
         start = max(t0, self._last_end)
         self._last_end = t1
         tokens = batch.plan.num_tokens
+        if self._overlap:  # what a step that cannot overlap costs beyond its computation
+            spec = self.scheduler
+            spec.spec_sync_s += 0.1 * (host - spec.spec_sync_s)
         self._log.record(batch, start, max(start, t1), real_tokens=result.real_tokens or tokens,
                          padded_tokens=result.padded_tokens or tokens,
                          predicted_s=launched.predicted, measured_s=result.device_seconds,

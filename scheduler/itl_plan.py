@@ -164,7 +164,7 @@ class ItlPlanning:
         first chunk takes at least one block, so a prompt always moves."""
         cost = self.cost
         start = seq.num_computed_tokens
-        nd, pf, work = batch.num_decode, batch.prefill_padded, batch.work
+        nd, pf, work = batch.decode_rows, batch.prefill_padded, batch.work
 
         def fits(n: int) -> bool:
             return cost.fits(nd, pf + cost.padded(n), work + chunk_work(start, n))

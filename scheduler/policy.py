@@ -73,12 +73,13 @@ from .queries import Queries
 from .protocol import StepLimits, StepPlan
 from .request import Phase, Sequence
 from .step_cost import StepCostModel, chunk_work
+from .speculative import Speculation
 from .step_books import StepBooks
 
 __all__ = ["Batch", "STEP_PLANS", "Scheduler"]
 
 
-class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
+class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -129,6 +130,7 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
         self._short_arrivals: deque[float] = deque()
         self._gap_s: float | None = None  # recent steps that carried decodes: mean seconds
         self.background = BackgroundShare(config, self.cost)  # batch jobs' share
+        self._init_speculation(config)  # proposals verified in decode rows (speculative.py)
 
     # -- the queue's side ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -170,6 +172,9 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
         self._schedule_decodes(order, batch, interactive)
         num_decode = len(batch.seqs)
         batch.num_decode = num_decode
+        if self.proposer is not None:
+            self._speculate(batch)  # some decodes become verifies of proposed tokens
+        rows = batch.decode_rows
         # Batch jobs' prefill beside interactive work: what the step's slack allows, and
         # only in a step that prefills an interactive prompt anyway (a prefill chunk moves
         # a decode step up to a bigger compiled shape: a batch prompt must not be why).
@@ -181,7 +186,7 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
                 return None
             return bg if any(not s.batch for s in batch.seqs[num_decode:]) else 0
 
-        budget = min(cfg.max_step_tokens - num_decode, lim.max_prefill_tokens)
+        budget = min(cfg.max_step_tokens - rows, lim.max_prefill_tokens)
         # The ITL budget, the trade-off between the streams' token gaps and the waiting
         # prompts' first tokens: beside decodes, prompt chunks fill what is left of the
         # ITL target, or where the decodes alone fill it, the share the learned costs
@@ -189,9 +194,9 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, StepBooks):
         # target at that pace takes bigger chunks (`_short_chunk`, `_deadline_chunk`).
         soft = budget
         pace = None
-        itl_budget = None if self.itl_target else self.cost.itl_budget(num_decode, batch.work)
+        itl_budget = None if self.itl_target else self.cost.itl_budget(rows, batch.work)
         if itl_budget is not None:
-            pace = self.cost.prefill_budget(num_decode, batch.work)
+            pace = self.cost.prefill_budget(rows, batch.work)
             soft = min(budget, pace)
             batch.budget_s = itl_budget[0]
         short = cfg.short_prefill_tokens

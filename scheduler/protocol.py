@@ -15,7 +15,13 @@ Invariants a runner may rely on:
   holds its adapter for as long as the sequence runs;
 - a `pending` chunk (overlapped scheduling) is a decode of the token its sequence sampled
   in the step launched just before this one: the runner takes that token from where its
-  sampler left it (on the device), not from `token_ids`.
+  sampler left it (on the device), not from `token_ids`;
+- a chunk with `draft` k > 0 (speculative decoding, scheduler/speculative.py) is the
+  sequence's last known token followed by k proposed ones: the runner computes each of
+  its k + 1 positions as a decode row (all within `max_decode_seqs`, with `sample`) and
+  samples at every one as if the proposals before it were the sequence's own tokens:
+  the row of proposal i draws with key ``num_generated + i`` and counts the proposals
+  before it for penalties, and its `constraint` is the grammar after them (`after`).
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ class SeqChunk:
     # step launched just before (not known on the host yet; `token_ids` holds -1). Only a
     # one-token decode chunk is ever pending.
     pending: bool = False
+    # Speculative decoding: the last `draft` tokens of `token_ids` are proposals, not yet
+    # the sequence's; each of the chunk's positions samples (`StepResult.drafted`).
+    draft: int = 0
 
 
 @dataclass(slots=True)
@@ -150,6 +159,9 @@ class StepResult:
     # Seconds the runner spent copying this plan's `swap_in` pages up from host slots
     # (0: none): the KV tiers' measured copy rate (scheduler/kv_tiers.py `worth`).
     swap_in_seconds: float = 0.0
+    # seq_id -> the tokens sampled at each position of a chunk with `draft` k: k + 1 of
+    # them in order (fewer where a row failed; `sampled` holds the first).
+    drafted: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

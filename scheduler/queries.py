@@ -109,4 +109,5 @@ class Queries:
             step_plans=dict(self.plans),
             adapters=self.adapters.stats(),
             kv_tiers=pages.tiers.stats() if pages.tiers is not None else {},
+            speculative=self.spec_stats(),
             kv_audit=pages.audit(s.kv_pages for s in self.running.values()) if audit else [])

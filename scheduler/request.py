@@ -48,7 +48,7 @@ class Sequence:
         "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
-        "predicted_ttft", "finished_at", "finish_reason", "num_preemptions", "aborted", "output", "inflight",
+        "predicted_ttft", "finished_at", "finish_reason", "num_preemptions", "aborted", "output", "inflight", "spec",
     )
 
     def __init__(
@@ -106,6 +106,8 @@ class Sequence:
         # Overlapped scheduling: 1 while a launched step has sampled this sequence's next
         # token and the host has not seen it yet (position `len(token_ids)`).
         self.inflight = 0
+        # Speculative decoding's state (scheduler/speculative.py `SpecState`), or None.
+        self.spec: Any = None
 
     # -- what the policy asks ------------------------------------------------------------
     @property

@@ -24,7 +24,7 @@ class StepBooks:
                 shape: tuple[int, int] | None = None) -> None:
         """Feed the step's measured device time (and the compiled shape it ran in) to
         the cost model."""
-        n = batch.num_decode
+        n = batch.decode_rows
         self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
         if n:  # the streams' token gap, as they have lately seen it
             gap = self._gap_s
@@ -41,7 +41,8 @@ class StepBooks:
             if seq.aborted or not seq.is_running:
                 continue
             start = chunk.start_pos
-            end = start + len(chunk.token_ids)
+            # (a verify's proposals are not the sequence's until `commit` accepts them)
+            end = start + len(chunk.token_ids) - chunk.draft
             if end > seq.num_computed_tokens:
                 seq.num_computed_tokens = end
             # Its full pages join the prefix cache now (a step reading them runs after
@@ -82,7 +83,7 @@ class StepBooks:
             if seq.aborted or not seq.is_running or seq.num_preemptions != epoch:
                 continue  # aborted while the step ran: the engine ends it next
             start = chunk.start_pos
-            end = start + len(chunk.token_ids)
+            end = start + len(chunk.token_ids) - chunk.draft
             if chunk.pending and end // ps > start // ps:  # its token is known now
                 self.pages.register(seq, start // ps, end // ps)
             if chunk.score_targets:
@@ -95,11 +96,24 @@ class StepBooks:
                 if tok is None:
                     raise RuntimeError(f"runner returned no token for seq {seq.seq_id}")
                 seq.inflight = max(0, seq.inflight - 1)
-                seq.token_ids.append(tok.token_id)
-                seq.output_ids.append(tok.token_id)
+                toks = [tok]
+                if chunk.draft:  # a verify: the proposals accepted, then the next token
+                    toks = self._verified(seq, chunk, result.drafted.get(seq.seq_id, toks))
+                for tok in toks:
+                    seq.token_ids.append(tok.token_id)
+                    seq.output_ids.append(tok.token_id)
+                    out.append((seq, tok))
                 if seq.adapter is not None:
-                    self.adapters.tokens[seq.adapter] += 1
-                out.append((seq, tok))
+                    self.adapters.tokens[seq.adapter] += len(toks)
+                if chunk.draft:
+                    # Accepted proposals' keys and values are in the pool: computed, and
+                    # their full pages offered to the cache now that they are known.
+                    seq.num_computed_tokens = end + len(toks) - 1
+                    if (end + len(toks) - 1) // ps > end // ps:
+                        self.pages.register(seq, end // ps, (end + len(toks) - 1) // ps)
+                    self._trim_pages(seq)
+        if any(c.draft for c in batch.plan.chunks):
+            self.spec.steps += 1
         return out
 
     def finish(self, seq: Sequence) -> str | None:

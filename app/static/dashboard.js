@@ -211,6 +211,18 @@
       ].join(" · ");
     }
 
+    // speculative decoding, where the pool proposes tokens
+    const spec = p.speculative, specLine = $(".spec", view.root);
+    specLine.hidden = !spec;
+    if (spec) {
+      specLine.textContent = spec.acceptance_rate === null
+        ? `speculative (${spec.mode}): no proposals verified in the window`
+        : [`speculative (${spec.mode}): ${spec.drafts_per_s.toFixed(1)} verifies/s`,
+           `${fmt.pct(spec.acceptance_rate)} of proposals accepted`,
+           `${spec.mean_accepted_length.toFixed(2)} tokens a verify`,
+           `by position ${spec.acceptance_by_position.map(fmt.pct).join(" / ")}`].join(" · ");
+    }
+
     // latency percentiles, one point per poll
     view.latency.push([now, p.ttft.p50, p.ttft.p95, p.itl.p50, p.itl.p95]);
     while (view.latency.length && view.latency[0][0] < now - KEEP_S) view.latency.shift();

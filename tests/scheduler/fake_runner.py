@@ -63,6 +63,7 @@ class ChunkRecord:
     num_generated: int
     adapter_slot: int = -1
     pending: bool = False  # its token came from the step before (resolved here)
+    draft: int = 0  # a speculative verify: its last `draft` tokens are proposals
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class FakeRunner:
             chunks=tuple(ChunkRecord(c.seq_id, c.start_pos,
                                      (last[c.seq_id],) if c.pending else tuple(c.token_ids),
                                      tuple(c.page_table), c.sample, c.num_generated,
-                                     c.adapter_slot, c.pending)
+                                     c.adapter_slot, c.pending, c.draft)
                          for c in plan.chunks),
             copies=tuple(plan.copies), adapter_loads=tuple(plan.adapter_loads))
         self.plans.append(rec)
@@ -208,21 +209,27 @@ class FakeRunner:
             if self.registered is not None and name not in self.registered:
                 raise KeyError(f"adapter {name!r} is not loaded")
             self.slots[slot] = name
-        sampled = {}
+        sampled, drafted = {}, {}
         for c in rec.chunks:
             for i, t in enumerate(c.token_ids):
                 pos = c.start_pos + i
                 self.pool[c.page_table[pos // ps]][pos % ps] = t
             if c.sample:
                 end = c.start_pos + len(c.token_ids)
-                ctx = [self.pool[c.page_table[p // ps]][p % ps] for p in range(end)]
-                assert None not in ctx, f"seq {c.seq_id} reads a slot never written"
                 adapter = None
                 if c.adapter_slot >= 0:
                     adapter = self.slots[c.adapter_slot]
                     assert adapter is not None, f"seq {c.seq_id}: slot {c.adapter_slot} empty"
-                token = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
-                sampled[c.seq_id] = SampledToken(token_id=token, logprob=-1.0)
+                toks = []
+                # A verify samples at each position, from the pool as written so far.
+                for last in range(end - c.draft, end + 1):
+                    ctx = [self.pool[c.page_table[p // ps]][p % ps] for p in range(last)]
+                    assert None not in ctx, f"seq {c.seq_id} reads a slot never written"
+                    token = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
+                    toks.append(SampledToken(token_id=token, logprob=-1.0 - len(toks)))
+                sampled[c.seq_id] = toks[0]
+                if c.draft:
+                    drafted[c.seq_id] = toks
         self._last_sampled = {k: t.token_id for k, t in sampled.items()}
         real = rec.num_tokens
         # Prompt scoring: a made-up logprob that says which position and target it is.
@@ -230,14 +237,16 @@ class FakeRunner:
                              for pos, t in enumerate(c.score_targets, c.start_pos)]
                   for c in plan.chunks if c.score_targets}
         return StepResult(sampled=sampled, real_tokens=real, prompt_logprobs=scores,
-                          padded_tokens=-(-real // 8) * 8, device_seconds=self.device_seconds)
+                          padded_tokens=-(-real // 8) * 8, device_seconds=self.device_seconds,
+                          drafted=drafted)
 
     def _check(self, rec: PlanRecord) -> None:
         lim, ps = self._limits, self.page_size
-        decodes = [c for c in rec.chunks if len(c.token_ids) == 1 and c.sample
+        decodes = [c for c in rec.chunks if (len(c.token_ids) == 1 or c.draft) and c.sample
                    and c.num_generated > 0 and c.start_pos > 0]
         prefills = [c for c in rec.chunks if c not in decodes]
-        assert len(decodes) <= lim.max_decode_seqs, (len(decodes), lim)
+        rows = sum(1 + c.draft for c in decodes)
+        assert rows <= lim.max_decode_seqs, (rows, lim)
         assert len(prefills) <= lim.max_prefill_seqs + max(
             0, lim.max_decode_seqs - len(decodes)), (len(prefills), lim)
         assert all(len(c.token_ids) <= lim.max_prefill_chunk for c in prefills)

@@ -1,0 +1,331 @@
+"""Speculative decoding: a decode step that may yield several tokens of a sequence.
+
+Decoding reads every weight for a handful of rows; verifying k proposed tokens costs k
+more rows of the same step, so each proposal the model agrees with is a token nearly for
+free. A proposer guesses the next tokens of a sequence (`Proposer`; the n-gram one here
+matches the last tokens against the prompt and output so far, vLLM's and llama.cpp's
+prompt lookup); the policy turns a decode chunk into a verify chunk (`SeqChunk.draft`:
+the last known token and k proposals, each position a decode row of the same step,
+scheduler/protocol.py); the runner samples at every position as if the proposals before
+it were the sequence's tokens.
+
+Exactness: the proposals are a point guess (a deterministic proposer), so verification is
+sampling itself. Row i draws from the target distribution given the proposals before it,
+with the key non-speculative decoding would use for that token (`num_generated + i`); a
+proposal is accepted while it equals the row's draw, and the first draw that differs is
+the next token. Every emitted token is thus a draw of the target distribution given the
+tokens before it, which is rejection sampling for a point proposal (accept with
+probability p(d); on rejection the draw conditioned on differing is p without d,
+renormalised). Greedy output is token for token what plain decoding gives, and so is
+seeded sampling. Penalties count the proposals before a row, a grammar masks each row as
+it would be after them (a proposal it refuses is cut before verification), logprobs are
+the rows' own.
+
+Pages: the positions of the proposals get pages only where the pool has them free; once
+the verify is committed, pages past the sequence's new end go back, and only pages full
+of accepted tokens join the prefix cache (a rejected proposal never reaches it).
+
+When it pays (`Speculation._speculate`, per step): each sequence keeps a decayed count of
+its proposals accepted and rejected; its k is as long as each further proposal still has
+a fair chance (`_k_for`); the step takes proposals most likely first while the tokens
+expected per second of the step (the step-cost model's time for its decode rows, plus
+the host gap of a step that is not overlapped) go up and its time stays within the ITL
+target (or the plain step's time where that is already past it). A step carrying a
+prompt chunk carries no proposals (a first token is not delayed for them). A sequence
+whose proposals are refused is retried with one proposal every `_PROBE_STEPS` steps.
+
+`Speculation` is a mixin of `Scheduler` (scheduler/policy.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+
+from .batch import Batch
+from .protocol import SampledToken
+from .request import Phase, Sequence
+
+_DECAY = 0.7  # weight of a sequence's earlier verifies in its acceptance estimate
+_MIN_GAIN = 0.15  # a further proposal is worth a row while it is this likely to be accepted
+_PROBE_STEPS = 16  # a sequence not worth speculating on is retried after this many steps
+_MARGIN = 1.02  # a step's expected tokens per second must improve this much
+
+
+class Proposer(Protocol):
+    """Guesses a sequence's next tokens (on the engine's thread, while a step is planned).
+    A draft model or an EAGLE head answers the same question from its own state."""
+
+    name: str
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens to follow `seq.token_ids` (empty: no guess)."""
+        ...
+
+
+class SpecState:
+    """One sequence's speculation: its token buffer for lookups and its acceptance."""
+
+    __slots__ = ("buf", "n", "accepted", "trials", "idle", "found")
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(256, np.int32)
+        self.n = 0  # tokens of the sequence in `buf`
+        self.accepted = 0.0  # decayed counts of proposals accepted and tried
+        self.trials = 0.0
+        self.idle = 0  # steps since its last verify
+        self.found = 1.0  # decayed share of lookups that found a proposal
+
+    @property
+    def rate(self) -> float:
+        """Estimated chance that a proposal is accepted (prior 1/2, worth one trial: a
+        sequence whose proposals keep failing falls under `_MIN_GAIN`)."""
+        return (self.accepted + 0.5) / (self.trials + 1.0)
+
+    def tokens(self, token_ids: list[int]) -> np.ndarray:
+        """The sequence's tokens as an array, appended in place as it grows."""
+        n = len(token_ids)
+        if n < self.n:  # (tokens only grow; a fresh buffer if that ever changes)
+            self.n = 0
+        if n > len(self.buf):
+            buf = np.zeros(max(n, 2 * len(self.buf)), np.int32)
+            buf[:self.n] = self.buf[:self.n]
+            self.buf = buf
+        if n > self.n:
+            self.buf[self.n:n] = token_ids[self.n:n]
+            self.n = n
+        return self.buf[:n]
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the last
+    n tokens (n from `max_n` down to `min_n`) in the prompt and the output so far."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if seq.spec is None:
+            seq.spec = SpecState()
+        toks = seq.spec.tokens(seq.token_ids)
+        return lookup(toks, k, self.min_n, self.max_n)
+
+
+def lookup(toks: np.ndarray, k: int, min_n: int, max_n: int, scan: int = 64) -> list[int]:
+    """Up to `k` tokens following an earlier match of `toks`' last n tokens (the longest
+    n that has one): the latest match with `k` tokens after it, else the latest one
+    (in a run that repeats, the latest match ends at the sequence's end). At most `scan`
+    candidate matches are checked, newest first."""
+    total = len(toks)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        tail = toks[total - n:]
+        # Windows starting at i < total - n (not the tail itself), first token filtered
+        # first: one vectorised pass, then the few candidates checked whole.
+        starts = np.flatnonzero(toks[:total - n] == tail[0])
+        best: list[int] = []
+        for i in starts[::-1][:scan]:
+            if np.array_equal(toks[i:i + n], tail):
+                follow = toks[i + n:i + n + k]
+                if len(follow) > len(best):
+                    best = follow.tolist()
+                    if len(best) == k:
+                        break
+        if best:
+            return best
+    return []
+
+
+def make_proposer(config) -> Proposer | None:
+    """The pool's proposer (`SchedulerConfig.speculative`); None: speculation off."""
+    if config.speculative == "off":
+        return None
+    if config.speculative == "ngram":
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    raise ValueError(f"speculative = {config.speculative!r}: 'off' or 'ngram'")
+
+
+def _k_for(rate: float, k_max: int) -> int:
+    """Proposals worth a row each: while the j-th is accepted with chance >= _MIN_GAIN."""
+    if rate <= _MIN_GAIN:
+        return 0
+    if rate >= 0.99:
+        return k_max
+    return max(1, min(k_max, int(math.log(_MIN_GAIN) / math.log(rate))))
+
+
+def _gain(rate: float, k: int) -> float:
+    """Expected accepted proposals of k (each accepted only after the ones before it)."""
+    return sum(rate ** j for j in range(1, k + 1))
+
+
+class SpecCounters:
+    """Totals with vLLM's meanings (`sluice:spec_decode_*`)."""
+
+    def __init__(self, k_max: int) -> None:
+        self.drafts = 0  # verifies (sequences x steps that carried proposals)
+        self.draft_tokens = 0  # proposals verified
+        self.accepted_tokens = 0  # proposals accepted
+        self.accepted_per_pos = [0] * k_max  # accepted at position i of a verify
+        self.emitted_tokens = 0  # tokens the verifies produced (accepted + one each)
+        self.steps = 0  # steps that carried a verify
+
+
+class Speculation:
+    """The policy's side of speculative decoding (a mixin of `Scheduler`)."""
+
+    def _init_speculation(self, config) -> None:
+        self.proposer = None if self.static else make_proposer(config)
+        self.spec_k = config.num_speculative_tokens
+        self.spec = SpecCounters(self.spec_k)
+        # Seconds a step that cannot overlap the next one's planning costs beyond its
+        # computation (the engine's host work per step, as measured): a verify's price.
+        self.spec_sync_s = 0.0
+
+    def _speculate(self, batch: Batch) -> None:
+        """Turn some of the step's decode chunks into verifies (see the module doc)."""
+        proposer = self.proposer
+        nd = batch.num_decode
+        spare = min(self.limits.max_decode_seqs, self.config.max_step_tokens) - nd
+        if proposer is None or nd == 0 or spare <= 0 or self._prompts_ready():
+            return
+        cands = []
+        for i in range(nd):
+            seq, chunk = batch.seqs[i], batch.plan.chunks[i]
+            if len(chunk.token_ids) != 1 or seq.phase is not Phase.DECODE:
+                continue
+            if seq.spec is None:
+                seq.spec = SpecState()
+            st = seq.spec
+            st.idle += 1
+            k = _k_for(st.rate, self.spec_k)
+            if k == 0 or st.found < _MIN_GAIN:
+                if st.idle < _PROBE_STEPS:
+                    continue
+                k = 1
+            if chunk.pending:
+                # Its last token is still on the device: this step is committed before
+                # the next is planned (overlap given up once), so it can propose then.
+                batch.spec_sync = True
+                st.idle -= 1
+                continue
+            # Room: max_tokens (this step's own token is one of them) and the context.
+            k = min(k, seq.max_tokens - seq.num_generated - 1,
+                    (self.max_context or 1 << 30) - 1 - chunk.start_pos)
+            if k <= 0:
+                continue
+            props = proposer.propose(seq, k)
+            st.found = _DECAY * st.found + (1 - _DECAY) * bool(props)
+            if props and seq.constraint is not None:
+                props = props[:seq.constraint.valid_prefix(props)]
+            if props:
+                cands.append((_gain(st.rate, len(props)) / len(props), i, props))
+        if not cands:
+            return
+        cands.sort(key=lambda c: -c[0])
+        base = self._spec_step_time(nd)
+        limit = max(self.itl_target or self.config.itl_target_s, base)
+        best = nd / base if base > 0 else 0.0
+        rows = 0
+        gain = 0.0
+        chosen = []
+        for per_row, i, props in cands:
+            n = len(props)
+            if rows + n > spare:
+                n = spare - rows
+                if n <= 0:
+                    break
+                props = props[:n]
+            t = self._spec_step_time(nd + rows + n)
+            if limit > 0 and t > limit:
+                continue
+            g = _gain(batch.seqs[i].spec.rate, n)
+            if t > 0:
+                rate = (nd + gain + g) / (t + self.spec_sync_s)
+                if rate < best * _MARGIN:
+                    continue
+                best = rate
+            rows += n
+            gain += g
+            chosen.append((i, props))
+        for i, props in chosen:
+            self._verify_chunk(batch, i, props)
+
+    def _spec_step_time(self, rows: int) -> float:
+        """Predicted seconds of a decode step of `rows` rows (0: not known)."""
+        return self.cost.predict(rows, 0)
+
+    def _prompts_ready(self) -> bool:
+        """A prompt could take part of this step (prefilling, or admissible)."""
+        if any(s.phase is Phase.PREFILL for s in self.running.values()):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_running
+
+    def _verify_chunk(self, batch: Batch, i: int, props: list[int]) -> None:
+        """Decode chunk i becomes a verify of `props`, where pages for them are free."""
+        seq, chunk = batch.seqs[i], batch.plan.chunks[i]
+        pages, ps = self.pages, self.pages.page_size
+        # Free pages only (never a cached prefix evicted for a guess), the reserve kept.
+        room = max(0, pages.num_free - self.config.kv_reserve_pages)
+        props = props[:len(seq.kv_pages) * ps + room * ps - 1 - chunk.start_pos]
+        if not props:
+            return
+        need = pages.pages_for(chunk.start_pos + len(props) + 1) - len(seq.kv_pages)
+        if need > 0:
+            seq.kv_pages.extend(pages.allocate(need))
+        chunk.token_ids = [*chunk.token_ids, *props]
+        chunk.draft = len(props)
+        batch.draft_rows += len(props)
+        batch.work += len(props) * (chunk.start_pos + 1)
+        seq.spec.idle = 0
+
+    def _verified(self, seq: Sequence, chunk, drafted: list[SampledToken]
+                  ) -> list[SampledToken]:
+        """A verify is back: the tokens it yields (accepted proposals, then the first
+        draw that differs), the books kept, pages past the new end released."""
+        props = chunk.token_ids[1:]
+        k = len(props)
+        a = 0
+        while a < k and a + 1 < len(drafted) and drafted[a].token_id == props[a]:
+            a += 1
+        out = drafted[:a + 1]
+        st = seq.spec
+        st.accepted = _DECAY * st.accepted + a
+        st.trials = _DECAY * st.trials + a + (a < k)
+        c = self.spec
+        c.drafts += 1
+        c.draft_tokens += k
+        c.accepted_tokens += a
+        c.emitted_tokens += len(out)
+        for j in range(a):
+            c.accepted_per_pos[j] += 1
+        return out
+
+    def _trim_pages(self, seq: Sequence) -> None:
+        """Pages past what the sequence's known tokens need (its next write included)."""
+        keep = self.pages.pages_for(len(seq.token_ids))
+        if len(seq.kv_pages) > keep:
+            tail = seq.kv_pages[keep:]
+            del seq.kv_pages[keep:]
+            self.pages.release(tail)
+
+    def spec_stats(self) -> dict:
+        """What /v1/stats, the metrics and the dashboard show."""
+        c = self.spec
+        return {
+            "mode": "off" if self.proposer is None else self.proposer.name,
+            "num_speculative_tokens": self.spec_k,
+            "drafts": c.drafts,
+            "draft_tokens": c.draft_tokens,
+            "accepted_tokens": c.accepted_tokens,
+            "accepted_per_position": list(c.accepted_per_pos),
+            "emitted_tokens": c.emitted_tokens,
+            "acceptance_rate": c.accepted_tokens / c.draft_tokens if c.draft_tokens else 0.0,
+            "mean_accepted_length": c.emitted_tokens / c.drafts if c.drafts else 0.0,
+            "steps": c.steps,
+        }
