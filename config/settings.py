@@ -103,7 +103,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # acceptance, up to num_speculative_tokens; a step proposes only where the step-cost
     # model says the tokens per second go up within the ITL target, never beside a prompt
     # chunk. "off": never.
-    speculative: Literal["off", "ngram"] = "off"
+    speculative: Literal["off", "ngram"] = "ngram"
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
     ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
@@ -281,10 +281,17 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if odd:
             raise ValueError(f"prefill_buckets must be multiples of 16 (the attention's "
                              f"query block): {odd}")
-        if max(self.mixed_decode_buckets) != max(self.decode_buckets):
+        # Every step's decodes fit beside a prompt chunk. With speculative decoding,
+        # decode buckets past the streams (max_running) hold verify rows, which never
+        # share a step with a prompt chunk (scheduler/speculative.py).
+        streams = (min(self.scheduler.max_running, max(self.decode_buckets))
+                   if self.scheduler.speculative != "off" else max(self.decode_buckets))
+        if max(self.mixed_decode_buckets) < streams or (
+                max(self.mixed_decode_buckets) not in self.decode_buckets):
             raise ValueError(f"mixed_decode_buckets {self.mixed_decode_buckets} must include "
                              f"the largest decode bucket ({max(self.decode_buckets)}): the "
-                             "largest shape holds every step")
+                             "largest shape holds every step (with speculative decoding: "
+                             f"a decode bucket of at least max_running, {streams})")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
         if self.kv_disk_dir and not self.kv_host_bytes:

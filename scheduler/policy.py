@@ -186,7 +186,10 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
                 return None
             return bg if any(not s.batch for s in batch.seqs[num_decode:]) else 0
 
-        budget = min(cfg.max_step_tokens - rows, lim.max_prefill_tokens)
+        # A step of verifies carries no prompt chunk (speculation yields to prompts, and
+        # rows past the streams have no shape beside one).
+        budget = 0 if batch.draft_rows else min(cfg.max_step_tokens - rows,
+                                                lim.max_prefill_tokens)
         # The ITL budget, the trade-off between the streams' token gaps and the waiting
         # prompts' first tokens: beside decodes, prompt chunks fill what is left of the
         # ITL target, or where the decodes alone fill it, the share the learned costs

@@ -194,11 +194,15 @@ class Speculation:
         spare = min(self.limits.max_decode_seqs, self.config.max_step_tokens) - nd
         if proposer is None or nd == 0 or spare <= 0 or self._prompts_ready():
             return
+        base = self._spec_step_time(nd)
+        interactive = any(not s.batch for s in batch.seqs[:nd])
         cands = []
         for i in range(nd):
             seq, chunk = batch.seqs[i], batch.plan.chunks[i]
             if len(chunk.token_ids) != 1 or seq.phase is not Phase.DECODE:
                 continue
+            if seq.batch and interactive:
+                continue  # batch jobs take only what interactive work leaves (background.py)
             if seq.spec is None:
                 seq.spec = SpecState()
             st = seq.spec
@@ -208,16 +212,18 @@ class Speculation:
                 if st.idle < _PROBE_STEPS:
                     continue
                 k = 1
-            if chunk.pending:
-                # Its last token is still on the device: this step is committed before
-                # the next is planned (overlap given up once), so it can propose then.
-                batch.spec_sync = True
-                st.idle -= 1
-                continue
             # Room: max_tokens (this step's own token is one of them) and the context.
-            k = min(k, seq.max_tokens - seq.num_generated - 1,
-                    (self.max_context or 1 << 30) - 1 - chunk.start_pos)
+            k = min(k, seq.max_tokens - seq.num_generated - 1 - seq.inflight,
+                    (self.max_context or 1 << 30) - 1 - chunk.start_pos, spare)
             if k <= 0:
+                continue
+            if chunk.pending:
+                # Its last token is still on the device: if a verify would pay, this step
+                # is committed before the next is planned (overlap given up once), so it
+                # can propose then.
+                if self._pays(nd, base, k, st.found * _gain(st.rate, k), 0.0)[0]:
+                    batch.spec_sync = True
+                st.idle -= 1
                 continue
             props = proposer.propose(seq, k)
             st.found = _DECAY * st.found + (1 - _DECAY) * bool(props)
@@ -228,37 +234,46 @@ class Speculation:
         if not cands:
             return
         cands.sort(key=lambda c: -c[0])
-        base = self._spec_step_time(nd)
-        limit = max(self.itl_target or self.config.itl_target_s, base)
-        best = nd / base if base > 0 else 0.0
         rows = 0
         gain = 0.0
         chosen = []
-        for per_row, i, props in cands:
-            n = len(props)
-            if rows + n > spare:
-                n = spare - rows
-                if n <= 0:
-                    break
-                props = props[:n]
-            t = self._spec_step_time(nd + rows + n)
-            if limit > 0 and t > limit:
+        for _, i, props in cands:
+            props = props[:spare - rows]
+            if not props:
+                break
+            g = _gain(batch.seqs[i].spec.rate, len(props))
+            ok, _ = self._pays(nd, base, rows + len(props), gain + g, gain, rows)
+            if not ok:
                 continue
-            g = _gain(batch.seqs[i].spec.rate, n)
-            if t > 0:
-                rate = (nd + gain + g) / (t + self.spec_sync_s)
-                if rate < best * _MARGIN:
-                    continue
-                best = rate
-            rows += n
+            rows += len(props)
             gain += g
             chosen.append((i, props))
         for i, props in chosen:
             self._verify_chunk(batch, i, props)
 
+    def _pays(self, nd: int, base: float, rows: int, gain: float, gain_before: float,
+              rows_before: int = 0) -> tuple[bool, float]:
+        """Whether `rows` proposal rows expected to yield `gain` tokens make a step of
+        `nd` decodes (`base` seconds) yield more tokens a second than with `rows_before`
+        rows yielding `gain_before`, within the ITL target (or `base` where that is past
+        it). A shape that has not run a real step yet is tried (its warm-up time was on
+        a made-up context): its first verify measures it."""
+        t = self._spec_step_time(nd + rows)
+        limit = max(self.itl_target or self.config.itl_target_s, base)
+        if t <= 0 or base <= 0:
+            return True, 0.0
+        if limit > 0 and t > limit:
+            return False, 0.0
+        before = self._spec_step_time(nd + rows_before) if rows_before else base
+        sync = self.spec_sync_s
+        now = (nd + gain) / (t + sync)
+        was = (nd + gain_before) / (before + (sync if rows_before else 0.0))
+        return now >= was * _MARGIN, now
+
     def _spec_step_time(self, rows: int) -> float:
-        """Predicted seconds of a decode step of `rows` rows (0: not known)."""
-        return self.cost.predict(rows, 0)
+        """Predicted seconds of a decode step of `rows` rows (0: not measured yet)."""
+        cost = self.cost
+        return cost.predict(rows, 0) if cost.measured(rows, 0) else 0.0
 
     def _prompts_ready(self) -> bool:
         """A prompt could take part of this step (prefilling, or admissible)."""

@@ -211,6 +211,12 @@ class StepCostModel:
                 return (d, p)
         return (num_decode, prefill_padded)
 
+    def measured(self, num_decode: int, prefill_padded: int) -> bool:
+        """Whether the shape a step of this size runs in has run a real step (its time is
+        known, not only the warm-up's on a made-up context)."""
+        fit = self._fits.get(self.shape_of(num_decode, prefill_padded))
+        return fit is not None and fit.n > 0
+
     @property
     def slope(self) -> float:
         """Seconds per key read, fitted within shapes (never negative), each shape's

@@ -494,7 +494,9 @@ async def test_step_time_prediction_error_is_counted(overlap):
     runner = FakeRunner(limits=LIMITS)
     runner.warmup_times.append((8, 0, 0.02))  # predicted: 20 ms a decode step
     runner.device_seconds = 0.03  # measured: 30 ms (ratio 1.5)
-    eng = Engine(runner, FakeDetokenizer(), SchedulerConfig(overlap=overlap))
+    # (no proposals: a verify would take the step after it out of the overlap counted here)
+    eng = Engine(runner, FakeDetokenizer(), SchedulerConfig(overlap=overlap,
+                                                            speculative="off"))
     async with trio.open_nursery() as nursery:
         await nursery.start(eng.run)
         await collect(eng.submit(GenerateRequest(prompt_ids=prompt(4), max_tokens=6)))

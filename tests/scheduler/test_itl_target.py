@@ -54,7 +54,7 @@ class Driver:
         if batch is None:
             return False
         predicted = batch.predicted(cost)
-        shape = cost.shape_of(batch.num_decode, batch.prefill_padded)
+        shape = cost.shape_of(batch.decode_rows, batch.prefill_padded)
         taken = seconds(shape, batch.work)
         result = self.runner.step(batch.plan)
         sched.observe(batch, taken, shape)

@@ -193,3 +193,22 @@ async def test_a_proposal_the_grammar_refuses_is_never_verified():
     assert grammar.cut > 0
     verified = [c.token_ids[1:] for p in runner.plans for c in p.chunks if c.draft]
     assert verified and all(99 not in props for props in verified)
+
+
+def test_verifies_are_planned_within_a_strict_itl_target():
+    """`--itl-target` with `--itl-strict`: steps that carry verifies are predicted within
+    the target like any other (the cost model knows a verify's rows), and the
+    predictions are the steps' times."""
+    from .test_itl_target import Driver
+
+    d = Driver(itl=0.1)
+    d.runner.rule = cycle_rule(5)
+    for i in range(24):
+        d.sim.submit([(7 * i + j) % 90 + 1 for j in range(5)] * 8, max_tokens=40 + i % 7)
+    d.run(3000)
+    assert all(seq.num_generated == seq.max_tokens for seq in d.sim.seqs.values())
+    verifies = [b for b in d.batches if b.draft_rows]
+    assert len(verifies) > 10 and d.sched.spec.accepted_tokens > 50
+    assert max(p for p, _, _, nd in d.steps if nd) <= 0.1 + 1e-9
+    assert all(abs(p - t) < 1e-3 * t for p, t, _, _ in d.steps)
+    assert d.sched.pages.num_in_use == 0
