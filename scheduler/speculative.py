@@ -42,8 +42,6 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-import numpy as np
-
 from .batch import Batch
 from .protocol import SampledToken
 from .request import Phase, Sequence
@@ -52,6 +50,7 @@ _DECAY = 0.7  # weight of a sequence's earlier verifies in its acceptance estima
 _MIN_GAIN = 0.15  # a further proposal is worth a row while it is this likely to be accepted
 _PROBE_STEPS = 16  # a sequence not worth speculating on is retried after this many steps
 _MARGIN = 1.02  # a step's expected tokens per second must improve this much
+_KEEP_STARTS = 4  # occurrences of an n-gram the lookup remembers (the latest)
 
 
 class Proposer(Protocol):
@@ -66,13 +65,16 @@ class Proposer(Protocol):
 
 
 class SpecState:
-    """One sequence's speculation: its token buffer for lookups and its acceptance."""
+    """One sequence's speculation: its n-gram index for lookups and its acceptance."""
 
-    __slots__ = ("buf", "n", "accepted", "trials", "idle", "found")
+    __slots__ = ("index", "indexed", "accepted", "trials", "idle", "found")
 
     def __init__(self) -> None:
-        self.buf = np.zeros(256, np.int32)
-        self.n = 0  # tokens of the sequence in `buf`
+        # The last few starts of each `min_n`-gram of the sequence's tokens (those before
+        # its last `min_n`), kept as the tokens grow: a lookup is a dict read, whatever
+        # the context's length.
+        self.index: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0  # n-grams starting before this position are in `index`
         self.accepted = 0.0  # decayed counts of proposals accepted and tried
         self.trials = 0.0
         self.idle = 0  # steps since its last verify
@@ -84,19 +86,23 @@ class SpecState:
         sequence whose proposals keep failing falls under `_MIN_GAIN`)."""
         return (self.accepted + 0.5) / (self.trials + 1.0)
 
-    def tokens(self, token_ids: list[int]) -> np.ndarray:
-        """The sequence's tokens as an array, appended in place as it grows."""
-        n = len(token_ids)
-        if n < self.n:  # (tokens only grow; a fresh buffer if that ever changes)
-            self.n = 0
-        if n > len(self.buf):
-            buf = np.zeros(max(n, 2 * len(self.buf)), np.int32)
-            buf[:self.n] = self.buf[:self.n]
-            self.buf = buf
-        if n > self.n:
-            self.buf[self.n:n] = token_ids[self.n:n]
-            self.n = n
-        return self.buf[:n]
+    def grow(self, toks: list[int], n: int) -> None:
+        """Index the `n`-grams of `toks` up to (not including) the last one."""
+        end = len(toks) - n
+        if end < self.indexed:  # (tokens only grow; start over if that ever changes)
+            self.index.clear()
+            self.indexed = 0
+        index = self.index
+        for s in range(self.indexed, end):
+            key = tuple(toks[s:s + n])
+            starts = index.get(key)
+            if starts is None:
+                index[key] = [s]
+            else:
+                starts.append(s)
+                if len(starts) > _KEEP_STARTS:
+                    del starts[0]
+        self.indexed = max(self.indexed, end)
 
 
 class NgramProposer:
@@ -113,29 +119,34 @@ class NgramProposer:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         if seq.spec is None:
             seq.spec = SpecState()
-        toks = seq.spec.tokens(seq.token_ids)
-        return lookup(toks, k, self.min_n, self.max_n)
+        return lookup(seq.token_ids, k, self.min_n, self.max_n, seq.spec)
 
 
-def lookup(toks: np.ndarray, k: int, min_n: int, max_n: int, scan: int = 64) -> list[int]:
+def lookup(toks: list[int], k: int, min_n: int, max_n: int,
+           state: SpecState | None = None) -> list[int]:
     """Up to `k` tokens following an earlier match of `toks`' last n tokens (the longest
-    n that has one): the latest match with `k` tokens after it, else the latest one
-    (in a run that repeats, the latest match ends at the sequence's end). At most `scan`
-    candidate matches are checked, newest first."""
+    n that has one): the latest match with `k` tokens after it, else the one with most
+    (in a run that repeats, the latest match ends at the sequence's end). Candidates are
+    the last `_KEEP_STARTS` occurrences of the last `min_n` tokens (`SpecState.index`)."""
     total = len(toks)
+    if total <= min_n:
+        return []
+    state = state or SpecState()
+    state.grow(toks, min_n)
+    starts = state.index.get(tuple(toks[total - min_n:]))
+    if not starts:
+        return []
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        tail = toks[total - n:]
-        # Windows starting at i < total - n (not the tail itself), first token filtered
-        # first: one vectorised pass, then the few candidates checked whole.
-        starts = np.flatnonzero(toks[:total - n] == tail[0])
+        longer = toks[total - n:total - min_n]  # what must precede the min_n-gram too
         best: list[int] = []
-        for i in starts[::-1][:scan]:
-            if np.array_equal(toks[i:i + n], tail):
-                follow = toks[i + n:i + n + k]
-                if len(follow) > len(best):
-                    best = follow.tolist()
-                    if len(best) == k:
-                        break
+        for p in reversed(starts):
+            if p < n - min_n or (longer and toks[p - len(longer):p] != longer):
+                continue
+            follow = toks[p + min_n:p + min_n + k]
+            if len(follow) > len(best):
+                best = follow
+                if len(best) == k:
+                    break
         if best:
             return best
     return []

@@ -8,7 +8,6 @@ tests/model/test_speculative_real.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import trio
 
@@ -34,13 +33,15 @@ def cycle_rule(period: int):
 
 
 def test_lookup_takes_the_latest_longest_match():
-    toks = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], np.int32)
+    toks = [5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     assert lookup(toks, 2, 2, 4) == [7, 8]  # "1 2 3" last seen before "7 8"
     assert lookup(toks, 5, 2, 4) == [7, 8, 1, 2, 3]
-    assert lookup(np.array([1, 2, 3, 4], np.int32), 3, 2, 4) == []  # nothing repeats
-    assert lookup(np.array([4, 4], np.int32), 3, 1, 4) == [4]
+    assert lookup([1, 2, 3, 4], 3, 2, 4) == []  # nothing repeats
+    assert lookup([4, 4], 3, 1, 4) == [4]
     # In a run, the latest match with k tokens after it (the latest has one).
-    assert lookup(np.zeros(9, np.int32), 3, 2, 2) == [0, 0, 0]
+    assert lookup([0] * 9, 3, 2, 2) == [0, 0, 0]
+    # The longest n first: "9 1 2" occurred once, before "3 7"; "1 2" later before "5".
+    assert lookup([9, 1, 2, 3, 7, 1, 2, 5, 9, 1, 2], 2, 2, 3) == [3, 7]
 
 
 def test_k_follows_the_acceptance_rate():
@@ -212,3 +213,57 @@ def test_verifies_are_planned_within_a_strict_itl_target():
     assert max(p for p, _, _, nd in d.steps if nd) <= 0.1 + 1e-9
     assert all(abs(p - t) < 1e-3 * t for p, t, _, _ in d.steps)
     assert d.sched.pages.num_in_use == 0
+
+
+async def test_adapter_sequences_verify_under_their_own_slot():
+    """Two adapters and the base model share verify steps: each row runs under its
+    sequence's adapter (the fake adds the adapter's offset), outputs equal the reference."""
+    period = 5
+    runner = FakeRunner(limits=LIMITS, page_size=4, num_pages=300, vocab=97,
+                        rule=cycle_rule(period), adapter_slots=2)
+    prompts = [[(11 * i + j) % 97 for j in range(period)] * 3 for i in range(3)]
+    adapters = ["alpha", "beta", None]
+    reqs = [GenerateRequest(prompt_ids=p, max_tokens=30, sampling=GREEDY, adapter=a)
+            for p, a in zip(prompts, adapters)]
+    results, stats, spec = await run(runner, reqs, speculative="ngram")
+    for p, a, res in zip(prompts, adapters, results):
+        assert res.tokens == runner.reference(p, 30, adapter=a), a
+    assert spec["drafts"] > 0 and stats.kv_pages_in_use == 0 and stats.kv_audit == []
+    assert any(c.draft and c.adapter_slot >= 0 for p in runner.plans for c in p.chunks)
+
+
+def brute_lookup(toks, k, min_n, max_n):
+    """`lookup` by hand: the last 4 earlier starts of the final min_n tokens."""
+    total = len(toks)
+    tail = toks[total - min_n:]
+    starts = [s for s in range(total - min_n) if toks[s:s + min_n] == tail][-4:]
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        best = []
+        for p in reversed(starts):
+            if p - (n - min_n) < 0 or toks[p - (n - min_n):p + min_n] != toks[total - n:]:
+                continue
+            follow = toks[p + min_n:p + min_n + k]
+            if len(follow) > len(best):
+                best = follow
+                if len(best) == k:
+                    break
+        if best:
+            return best
+    return []
+
+
+def test_the_incremental_index_finds_what_a_full_scan_finds():
+    import random
+
+    from scheduler.speculative import SpecState
+
+    rng = random.Random(0)
+    for trial in range(60):
+        alphabet = rng.randint(2, 6)
+        toks = [rng.randrange(alphabet) for _ in range(3)]
+        state = SpecState()
+        min_n, max_n = rng.choice([(1, 3), (2, 4), (2, 2), (3, 5)])
+        for _ in range(120):
+            k = rng.randint(1, 5)
+            assert lookup(toks, k, min_n, max_n, state) == brute_lookup(toks, k, min_n, max_n)
+            toks.extend(rng.randrange(alphabet) for _ in range(rng.randint(1, 3)))
