@@ -11,8 +11,8 @@ Three sources, none of which touches the engine's step path:
   percentiles over the last minute are within 0.5% of the exact ones (Prometheus' buckets
   are up to 2.5x wide), and memory does not grow with the rate.
 The JSON's types are msgspec Structs (app/stats_schema.py), so /openapi.json describes
-exactly what is sent. (About 370 lines: the sampler and the report's sections, pools,
-replicas, KV tiers, tenants, read from the same samples.)
+exactly what is sent. (About 400 lines: the sampler and the report's sections, pools,
+replicas, KV tiers, speculation, tenants, read from the same samples.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,12 @@
 # (benchmarks/polite_load.py: 48 requests after 16 of warm-up; OUT/polite-*.json). Sluice
 # runs with its default config plus SLUICE_SERVE_ARGS (e.g. "--quantization int8").
 # WORKLOADS picks some of the four (llama.cpp 0.3.36 never finishes shared-prefix under
-# `sluice bench` here: docs/benchmarks.md). Prints JSON lines (benchmarks/compare_bench.py).
+# `sluice bench` here: docs/benchmarks.md), and "repeat": answers that repeat the prompt
+# (polite_load.py --workload repeat, greedy, 160 tokens) at 1 and 4 streams, each server
+# with and without speculative decoding: llama.cpp with LLAMA_SPEC_ARGS (default
+# "--spec-type ngram-simple --spec-draft-n-max 4", its prompt lookup), Sluice with its
+# default (n-gram) and with --speculative off (OUT/repeat-<server>-c<N>.json).
+# Prints JSON lines (benchmarks/compare_bench.py).
 #   benchmarks/llamacpp_vs_sluice.sh OUT_DIR [PORT]
 set -eu
 cd "$(dirname "$0")/.."
@@ -66,7 +71,16 @@ workloads() {  # prefix: llama / sluice
   case " $WORKLOADS " in *" single "*)
     bench "$1-single" --workload shared-prefix --system-tokens 30 --concurrency 1 \
       --warmup-requests 1 --requests 10;; esac
+  repeat "$1"
 }
+repeat() {  # label: the repeat workload at 1 and 4 streams
+  case " $WORKLOADS " in *" repeat "*)
+    for c in 1 4; do
+      .venv/bin/python benchmarks/polite_load.py "$URL" --workload repeat --concurrency "$c" \
+        --requests $((4 * c)) --warmup-requests "$c" --max-tokens 160 > "$OUT/repeat-$1-c$c.json"
+    done;; esac
+}
+LLAMA_SPEC_ARGS=${LLAMA_SPEC_ARGS:---spec-type ngram-simple --spec-draft-n-max 4}
 
 # -kvu: one KV buffer for all slots (this llama.cpp splits -c over -np slots otherwise:
 # 4,096 tokens each, too few for the 6,000-token prompt; the first run, 2026-12-02).
@@ -78,12 +92,31 @@ until curl -sf "$URL/health" > /dev/null; do sleep 1; done
 workloads llama
 ps -o rss= -p $LPID | awk '{print $1 * 1024}' > "$OUT/llama-rss-bytes"
 kill $LPID; wait $LPID 2>/dev/null || true
+case " $WORKLOADS " in *" repeat "*)  # llama.cpp with its own speculative decoding
+  # shellcheck disable=SC2086
+  "$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -kvu -fa off -t "$THREADS" \
+    --alias smollm2-135m-instruct $LLAMA_SPEC_ARGS > "$OUT/llama-spec-server.log" 2>&1 &
+  LPID=$!
+  until curl -sf "$URL/health" > /dev/null; do sleep 1; done
+  repeat llama-spec
+  kill $LPID; wait $LPID 2>/dev/null || true;; esac
 
 . benchmarks/serve_ready.sh
 serve_ready "$OUT" "$PORT" ${SLUICE_SERVE_ARGS:-}
 workloads sluice
 ps -o rss= -p $PID | awk '{print $1 * 1024}' > "$OUT/sluice-rss-bytes"
+case " $WORKLOADS " in *" repeat "*)  # Sluice without speculative decoding
+  kill -INT "$PID"; wait "$PID" 2>/dev/null || true
+  mkdir -p "$OUT/no-spec"
+  # shellcheck disable=SC2086
+  serve_ready "$OUT/no-spec" "$PORT" ${SLUICE_SERVE_ARGS:-} --speculative off
+  repeat sluice-off;; esac
 if ls "$OUT"/llama-*.json > /dev/null 2>&1; then
   .venv/bin/python benchmarks/compare_bench.py "$OUT"/llama-*.json "$OUT"/sluice-*.json
 fi
 if [ -f "$OUT/polite-sluice.json" ]; then cat "$OUT"/polite-llama.json "$OUT"/polite-sluice.json; fi
+if ls "$OUT"/repeat-*.json > /dev/null 2>&1; then
+  for f in "$OUT"/repeat-*.json; do
+    printf '{"run": "%s", "result": %s}\n' "$(basename "$f" .json)" "$(cat "$f")"
+  done
+fi

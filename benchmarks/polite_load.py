@@ -11,14 +11,17 @@ lengths). Two uses:
 - the steady state: ``--concurrency 16 --requests 48 --warmup-requests 16`` (the first 16
   through the same loop warm the prefix cache and are not counted);
 - the first burst after a start: ``--concurrency 64 --requests 64 --warmup-requests 0
-  --max-tokens 128`` (benchmarks/burst_polite.sh).
+  --max-tokens 128`` (benchmarks/burst_polite.sh);
+- ``--workload repeat``: no system prompt, each request asks to copy a passage or reprint
+  a code block with a rename (`REPEAT_PROMPTS`), answers that repeat the prompt, where
+  speculative decoding pays (benchmarks/llamacpp_vs_sluice.sh's `repeat`).
 
 Prints one JSON line: TTFT from the first send and of the admitted attempt, inter-token
 gaps (every gap between two content chunks), output tok/s over the measured window,
 refusals a request, 429 latency, statuses.
 
     .venv/bin/python benchmarks/polite_load.py URL [--concurrency 16] [--requests 48]
-        [--warmup-requests 16] [--max-tokens N] [--seed 0]
+        [--warmup-requests 16] [--max-tokens N] [--seed 0] [--workload repeat]
 """
 
 from __future__ import annotations
@@ -43,6 +46,37 @@ result change morning reason research moment air force education river market br
 winter summer letter window table garden mountain valley forest ocean island village harbor
 station library museum theater the the the a a of of to to and and in is that it for on with
 as was be by this are or from at have not but which can all their will one has more when""".split()
+
+
+PASSAGE = (
+    "The river sluice at the old mill was built in 1820 to hold back the spring floods. "
+    "Each gate is raised by a wooden wheel, and the keeper opens them one at a time so "
+    "that the water below never rises faster than the banks can take. In dry summers the "
+    "gates stay shut and the pond behind them feeds the mill wheel for weeks. The keeper "
+    "writes the water level in a book every morning, and the oldest books are kept in "
+    "the town library, where anyone may read them.")
+CODE = '''def merge_intervals(intervals):
+    intervals = sorted(intervals, key=lambda iv: iv[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    return sum(end - start for start, end in merge_intervals(intervals))
+'''
+# Requests whose answers repeat their prompt (copying, editing, renaming in code).
+REPEAT_PROMPTS = [
+    f"Copy this text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite this code with the function `merge_intervals` renamed to `merge`, "
+    f"nothing else changed:\n\n{CODE}",
+    f"Repeat the following paragraph, then stop:\n\n{PASSAGE}",
+    f"Here is a Python module. Print it again unchanged.\n\n{CODE}",
+]
 
 
 def _text(rng: random.Random, n_words: int) -> str:
@@ -131,6 +165,12 @@ class Load:
         self.window: list[float] = []  # measured requests' first send and last byte
 
     def body(self, i: int, model: str) -> dict:
+        if self.args.workload == "repeat":
+            return {"model": model, "stream": True, "temperature": 0, "ignore_eos": True,
+                    "max_tokens": self.args.max_tokens or 160,
+                    "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user",
+                                  "content": REPEAT_PROMPTS[i % len(REPEAT_PROMPTS)]}]}
         rng = random.Random(f"request:{self.args.seed}:{i}")
         question = f"Question {i}: " + _text(rng, int(rng.randint(30, 100) * 0.87)) + "?"
         max_tokens = self.args.max_tokens or rng.randint(128, 400)
@@ -176,7 +216,7 @@ class Load:
         tokens = sum(r["tokens"] for r in out if r["status"] == "ok")
         a = self.args
         return {
-            "url": a.url, "model": model, "concurrency": a.concurrency,
+            "url": a.url, "model": model, "workload": a.workload, "concurrency": a.concurrency,
             "requests": a.requests, "warmup_requests": a.warmup_requests,
             "statuses": statuses, "shed_after_admission": statuses.get("shed", 0),
             "output_tok_s": round(tokens / wall, 2) if wall else 0.0,
@@ -203,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=0, help="fixed answer length "
                     "(default: 128-400 a request)")
     ap.add_argument("--system-tokens", type=int, default=2000)
+    ap.add_argument("--workload", choices=["shared-prefix", "repeat"], default="shared-prefix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)

@@ -31,40 +31,14 @@ import numpy as np
 import trio
 
 from config.settings import Settings
+from polite_load import REPEAT_PROMPTS
 from model.runner import ModelRunner, enable_compilation_cache
 from model.weights import load_model
 from scheduler.api import FinishEvent, GenerateRequest, TokenEvent
 from scheduler.engine import Engine
 from scheduler.protocol import SamplingParams
 
-PASSAGE = (
-    "The river sluice at the old mill was built in 1820 to hold back the spring floods. "
-    "Each gate is raised by a wooden wheel, and the keeper opens them one at a time so "
-    "that the water below never rises faster than the banks can take. In dry summers the "
-    "gates stay shut and the pond behind them feeds the mill wheel for weeks. The keeper "
-    "writes the water level in a book every morning, and the oldest books are kept in "
-    "the town library, where anyone may read them.")
-CODE = '''def merge_intervals(intervals):
-    intervals = sorted(intervals, key=lambda iv: iv[0])
-    merged = []
-    for start, end in intervals:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def total_covered(intervals):
-    return sum(end - start for start, end in merge_intervals(intervals))
-'''
-REPEAT = [
-    f"Copy this text exactly, word for word:\n\n{PASSAGE}",
-    f"Rewrite this code with the function `merge_intervals` renamed to `merge`, "
-    f"nothing else changed:\n\n{CODE}",
-    f"Repeat the following paragraph, then stop:\n\n{PASSAGE}",
-    f"Here is a Python module. Print it again unchanged.\n\n{CODE}",
-]
+REPEAT = REPEAT_PROMPTS
 CHAT = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
     "Why is the sky blue?", "Write a haiku about autumn.",

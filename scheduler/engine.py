@@ -52,7 +52,7 @@ The admission prediction is not here: the door is scheduler/admission.py, the st
 model it and the policy predict from is scheduler/step_cost.py; the engine only tells the
 door when the steps in flight should end (`step_ends_at`) and feeds the model measured
 step times. The step log is scheduler/step_log.py.
-(About 470 lines: the loop and a step's whole way through it, launch, collect, commit
+(About 480 lines: the loop and a step's whole way through it, launch, collect, commit
 and the step record, are read in one place.)
 """
 

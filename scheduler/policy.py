@@ -50,7 +50,7 @@ arithmetic and books live beside it, one job a file: the batch share (background
 adapter residency (adapters.py), step costs (step_cost.py), prompt chunk sizes
 (chunk_sizing.py), strict ITL planning (itl_plan.py), what the engine and the door read
 (queries.py) and a step's books once planned (step_books.py: launched, commit, finish).
-(About 470 lines: the per-iteration policy, decodes, prefill chunks, admission and
+(About 480 lines: the per-iteration policy, decodes, prefill chunks, admission and
 preemption, is read in one place.)
 """
 

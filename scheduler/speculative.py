@@ -28,13 +28,15 @@ of accepted tokens join the prefix cache (a rejected proposal never reaches it).
 When it pays (`Speculation._speculate`, per step): each sequence keeps a decayed count of
 its proposals accepted and rejected; its k is as long as each further proposal still has
 a fair chance (`_k_for`); the step takes proposals most likely first while the tokens
-expected per second of the step (the step-cost model's time for its decode rows, plus
-the host gap of a step that is not overlapped) go up and its time stays within the ITL
+expected per second go up (an overlapped step takes the longer of the step-cost model's
+time for its decode rows and the engine's host work a step; a verify's step, which is
+not overlapped, their sum) and its time stays within the ITL
 target (or the plain step's time where that is already past it). A step carrying a
 prompt chunk carries no proposals (a first token is not delayed for them). A sequence
 whose proposals are refused is retried with one proposal every `_PROBE_STEPS` steps.
 
-`Speculation` is a mixin of `Scheduler` (scheduler/policy.py).
+`Speculation` is a mixin of `Scheduler` (scheduler/policy.py). (About 360 lines: the
+proposer, the per-step choice and the books of a verify share one set of estimates.)
 """
 
 from __future__ import annotations
@@ -266,19 +268,21 @@ class Speculation:
               rows_before: int = 0) -> tuple[bool, float]:
         """Whether `rows` proposal rows expected to yield `gain` tokens make a step of
         `nd` decodes (`base` seconds) yield more tokens a second than with `rows_before`
-        rows yielding `gain_before`, within the ITL target (or `base` where that is past
-        it). A shape that has not run a real step yet is tried (its warm-up time was on
-        a made-up context): its first verify measures it."""
+        rows yielding `gain_before` (0: plain, overlapped), within the ITL target (or
+        `base` where that is past it). A shape that has not run a real step yet is tried
+        (its warm-up time was on a made-up context): its first verify measures it."""
         t = self._spec_step_time(nd + rows)
         limit = max(self.itl_target or self.config.itl_target_s, base)
         if t <= 0 or base <= 0:
             return True, 0.0
         if limit > 0 and t > limit:
             return False, 0.0
-        before = self._spec_step_time(nd + rows_before) if rows_before else base
-        sync = self.spec_sync_s
-        now = (nd + gain) / (t + sync)
-        was = (nd + gain_before) / (before + (sync if rows_before else 0.0))
+        # An overlapped step takes the longer of its computation and the host work
+        # (`spec_sync_s`, 0 without overlap); a verify's step, their sum.
+        host = self.spec_sync_s
+        now = (nd + gain) / (t + host)
+        was = (nd + gain_before) / (
+            self._spec_step_time(nd + rows_before) + host if rows_before else max(base, host))
         return now >= was * _MARGIN, now
 
     def _spec_step_time(self, rows: int) -> float:

@@ -233,22 +233,18 @@ async def test_adapter_sequences_verify_under_their_own_slot():
 
 
 def brute_lookup(toks, k, min_n, max_n):
-    """`lookup` by hand: the last 4 earlier starts of the final min_n tokens."""
+    """`lookup` by a full scan: the last 4 earlier starts of the final min_n tokens, the
+    longest n they extend to, the latest with k tokens after it, else the most tokens."""
     total = len(toks)
-    tail = toks[total - min_n:]
-    starts = [s for s in range(total - min_n) if toks[s:s + min_n] == tail][-4:]
+    starts = [s for s in range(total - min_n) if toks[s:s + min_n] == toks[total - min_n:]][-4:]
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        best = []
-        for p in reversed(starts):
-            if p - (n - min_n) < 0 or toks[p - (n - min_n):p + min_n] != toks[total - n:]:
-                continue
-            follow = toks[p + min_n:p + min_n + k]
-            if len(follow) > len(best):
-                best = follow
-                if len(best) == k:
-                    break
-        if best:
-            return best
+        follows = [toks[p + min_n:p + min_n + k] for p in starts
+                   if p >= n - min_n and toks[p - (n - min_n):p + min_n] == toks[total - n:]]
+        full = [f for f in follows if len(f) == k]
+        if full:
+            return full[-1]
+        if any(follows):
+            return max(reversed(follows), key=len)
     return []
 
 
