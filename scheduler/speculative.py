@@ -26,16 +26,18 @@ the verify is committed, pages past the sequence's new end go back, and only pag
 of accepted tokens join the prefix cache (a rejected proposal never reaches it).
 
 When it pays (`Speculation._speculate`, per step): each sequence keeps a decayed count of
-its proposals accepted and rejected; its k is as long as each further proposal still has
-a fair chance (`_k_for`); the step takes proposals most likely first while the tokens
-expected per second go up (an overlapped step takes the longer of the step-cost model's
-time for its decode rows and the engine's host work a step; a verify's step, which is
-not overlapped, their sum) and its time stays within the ITL
-target (or the plain step's time where that is already past it). A step carrying a
-prompt chunk carries no proposals (a first token is not delayed for them). A sequence
-whose proposals are refused is retried with one proposal every `_PROBE_STEPS` steps.
+its proposals accepted and rejected, beside the pool's (a new sequence's prior); its k is
+as long as each further proposal still has a fair chance (`_k_for`). The step takes the
+prefix of the proposals, most likely first, with the most tokens expected a second
+(`_step_rate`: a step's time jumps at its bucket's edges, so several verifies may pay
+where one does not), counting an overlapped step as the longer of its computation and the
+engine's host work a step, and a verify's step, which is not overlapped, as their sum;
+within the ITL target (or the plain step's time where that is already past it). A step
+carrying a prompt chunk carries no proposals (a first token is not delayed for them). A
+sequence whose proposals are refused is retried with one proposal every `_PROBE_STEPS`
+steps.
 
-`Speculation` is a mixin of `Scheduler` (scheduler/policy.py). (About 360 lines: the
+`Speculation` is a mixin of `Scheduler` (scheduler/policy.py). (About 370 lines: the
 proposer, the per-step choice and the books of a verify share one set of estimates.)
 """
 
@@ -53,6 +55,7 @@ _MIN_GAIN = 0.15  # a further proposal is worth a row while it is this likely to
 _PROBE_STEPS = 16  # a sequence not worth speculating on is retried after this many steps
 _MARGIN = 1.02  # a step's expected tokens per second must improve this much
 _KEEP_STARTS = 4  # occurrences of an n-gram the lookup remembers (the latest)
+_POOL_DECAY = 0.95  # weight of the pool's earlier verifies in a new sequence's prior
 
 
 class Proposer(Protocol):
@@ -82,11 +85,11 @@ class SpecState:
         self.idle = 0  # steps since its last verify
         self.found = 1.0  # decayed share of lookups that found a proposal
 
-    @property
-    def rate(self) -> float:
-        """Estimated chance that a proposal is accepted (prior 1/2, worth one trial: a
-        sequence whose proposals keep failing falls under `_MIN_GAIN`)."""
-        return (self.accepted + 0.5) / (self.trials + 1.0)
+    def rate(self, prior: float) -> float:
+        """Estimated chance that a proposal is accepted: its own record, and `prior` (the
+        pool's recent acceptance) worth one trial, so a new sequence starts where the
+        others are and one whose proposals keep failing falls under `_MIN_GAIN`."""
+        return (self.accepted + prior) / (self.trials + 1.0)
 
     def grow(self, toks: list[int], n: int) -> None:
         """Index the `n`-grams of `toks` up to (not including) the last one."""
@@ -196,6 +199,10 @@ class Speculation:
         self.proposer = None if self.static else make_proposer(config)
         self.spec_k = config.num_speculative_tokens
         self.spec = SpecCounters(self.spec_k)
+        # The pool's recent acceptance (decayed counts over verifies): a new sequence's
+        # prior (`SpecState.rate`).
+        self._pool_accepted = 0.0
+        self._pool_trials = 0.0
         # Seconds a step that cannot overlap the next one's planning costs beyond its
         # computation (the engine's host work per step, as measured): a verify's price.
         self.spec_sync_s = 0.0
@@ -208,8 +215,10 @@ class Speculation:
         if proposer is None or nd == 0 or spare <= 0 or self._prompts_ready():
             return
         base = self._spec_step_time(nd)
+        prior = (self._pool_accepted + 1.0) / (self._pool_trials + 2.0)
         interactive = any(not s.batch for s in batch.seqs[:nd])
-        cands = []
+        # (expected accepted per row, chunk index, proposals; pending: their count, None)
+        cands: list[tuple[float, int, int, float, list[int] | None]] = []
         for i in range(nd):
             seq, chunk = batch.seqs[i], batch.plan.chunks[i]
             if len(chunk.token_ids) != 1 or seq.phase is not Phase.DECODE:
@@ -219,8 +228,9 @@ class Speculation:
             if seq.spec is None:
                 seq.spec = SpecState()
             st = seq.spec
+            rate = st.rate(prior)
             st.idle += 1
-            k = _k_for(st.rate, self.spec_k)
+            k = _k_for(rate, self.spec_k)
             if k == 0 or st.found < _MIN_GAIN:
                 if st.idle < _PROBE_STEPS:
                     continue
@@ -231,59 +241,58 @@ class Speculation:
             if k <= 0:
                 continue
             if chunk.pending:
-                # Its last token is still on the device: if a verify would pay, this step
-                # is committed before the next is planned (overlap given up once), so it
-                # can propose then.
-                if self._pays(nd, base, k, st.found * _gain(st.rate, k), 0.0)[0]:
-                    batch.spec_sync = True
+                # Its last token is still on the device: it can propose once this step
+                # is committed, before the next is planned (overlap given up once), if
+                # a verify would pay (counted at the chance it finds a proposal).
                 st.idle -= 1
+                g = st.found * _gain(rate, k)
+                cands.append((g / k, i, k, g, None))
                 continue
             props = proposer.propose(seq, k)
             st.found = _DECAY * st.found + (1 - _DECAY) * bool(props)
             if props and seq.constraint is not None:
                 props = props[:seq.constraint.valid_prefix(props)]
             if props:
-                cands.append((_gain(st.rate, len(props)) / len(props), i, props))
+                g = _gain(rate, len(props))
+                cands.append((g / len(props), i, len(props), g, props))
         if not cands:
             return
+        # The best prefix of the candidates, most promising first: a step's time jumps at
+        # its bucket's edge, so several verifies may pay where one alone does not.
         cands.sort(key=lambda c: -c[0])
-        rows = 0
-        gain = 0.0
-        chosen = []
-        for _, i, props in cands:
-            props = props[:spare - rows]
-            if not props:
+        best = self._step_rate(nd, base, 0, 0.0) * _MARGIN
+        rows, gain, take = 0, 0.0, 0
+        for m, (_, i, n, g, props) in enumerate(cands, 1):
+            if rows + n > spare:
                 break
-            g = _gain(batch.seqs[i].spec.rate, len(props))
-            ok, _ = self._pays(nd, base, rows + len(props), gain + g, gain, rows)
-            if not ok:
-                continue
-            rows += len(props)
-            gain += g
-            chosen.append((i, props))
-        for i, props in chosen:
-            self._verify_chunk(batch, i, props)
+            rows, gain = rows + n, gain + g
+            rate = self._step_rate(nd, base, rows, gain)
+            if rate > best:
+                best, take = rate, m
+        for _, i, n, g, props in cands[:take]:
+            if props is None:
+                batch.spec_sync = True
+            else:
+                self._verify_chunk(batch, i, props)
 
-    def _pays(self, nd: int, base: float, rows: int, gain: float, gain_before: float,
-              rows_before: int = 0) -> tuple[bool, float]:
-        """Whether `rows` proposal rows expected to yield `gain` tokens make a step of
-        `nd` decodes (`base` seconds) yield more tokens a second than with `rows_before`
-        rows yielding `gain_before` (0: plain, overlapped), within the ITL target (or
-        `base` where that is past it). A shape that has not run a real step yet is tried
-        (its warm-up time was on a made-up context): its first verify measures it."""
-        t = self._spec_step_time(nd + rows)
-        limit = max(self.itl_target or self.config.itl_target_s, base)
-        if t <= 0 or base <= 0:
-            return True, 0.0
-        if limit > 0 and t > limit:
-            return False, 0.0
-        # An overlapped step takes the longer of its computation and the host work
-        # (`spec_sync_s`, 0 without overlap); a verify's step, their sum.
+    def _step_rate(self, nd: int, base: float, rows: int, gain: float) -> float:
+        """Tokens a second of a step of `nd` decodes (`base` seconds) with `rows` proposal
+        rows expected to yield `gain` tokens (0 rows: plain, overlapped); 0 past the ITL
+        target (or `base` where that is past it already). An overlapped step takes the
+        longer of its computation and the engine's host work a step (`spec_sync_s`, 0
+        without overlap); a verify's step, which is not overlapped, their sum. A shape
+        that has not run a real step yet is tried (its warm-up ran on a made-up context):
+        its first verify measures it."""
         host = self.spec_sync_s
-        now = (nd + gain) / (t + host)
-        was = (nd + gain_before) / (
-            self._spec_step_time(nd + rows_before) + host if rows_before else max(base, host))
-        return now >= was * _MARGIN, now
+        if not rows:
+            return nd / max(base, host) if base > 0 else 0.0
+        t = self._spec_step_time(nd + rows)
+        if t <= 0 or base <= 0:
+            return math.inf
+        limit = max(self.itl_target or self.config.itl_target_s, base)
+        if limit > 0 and t > limit:
+            return 0.0
+        return (nd + gain) / (t + host)
 
     def _spec_step_time(self, rows: int) -> float:
         """Predicted seconds of a decode step of `rows` rows (0: not measured yet)."""
@@ -327,6 +336,8 @@ class Speculation:
         st = seq.spec
         st.accepted = _DECAY * st.accepted + a
         st.trials = _DECAY * st.trials + a + (a < k)
+        self._pool_accepted = _POOL_DECAY * self._pool_accepted + a
+        self._pool_trials = _POOL_DECAY * self._pool_trials + a + (a < k)
         c = self.spec
         c.drafts += 1
         c.draft_tokens += k
