@@ -10,13 +10,16 @@ CPU weights and KV pool), one engine per variant, the same requests, greedy:
   never says: nothing is ever accepted, the price of trying (and of the probes the
   policy keeps making) is all there is.
 
-For each (workload, concurrency, mode): output tokens per second over the run, each
+C streams each send `--requests-per-stream` requests one after the other (the
+questions in turn). For each (workload, concurrency, mode): output tokens per second
+over the run, each
 stream's inter-token gaps (p50/p95, the time between tokens as they are committed, a
 verify's tokens arriving together), and the proposals' acceptance. The tokens of every
 request are compared with the plain run's (`same_tokens`). Prints one JSON line.
 
     .venv/bin/python benchmarks/speculative.py [--concurrency 1,16] [--workloads repeat,chat]
-        [--max-tokens 160] [--rounds 2] [--k 4] [--decode-buckets 1,4,8,16,32]
+        [--max-tokens 160] [--requests-per-stream 4] [--rounds 2] [--k 4]
+        [--decode-buckets 1,4,8,16,32]
 """
 
 from __future__ import annotations
@@ -59,14 +62,16 @@ class Refused:
         return [self.token] * k
 
 
-def requests(tok, workload: str, n: int, max_tokens: int) -> list[list[int]]:
+def requests(tok, workload: str, n: int) -> list[list[int]]:
     texts = REPEAT if workload == "repeat" else CHAT
     return [tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}])
             for i in range(n)]
 
 
-async def run_variant(runner, tok, sched, prompts, max_tokens: int,
+async def run_variant(runner, tok, sched, prompts, max_tokens: int, streams: int,
                       refused: bool = False) -> dict:
+    """`streams` clients, each sending its next request when the last one ended, until
+    `prompts` are all answered."""
     engine = Engine(runner, tok, sched)
     if refused and engine.scheduler.proposer is not None:
         engine.scheduler.proposer = Refused(runner.config.vocab_size)
@@ -82,11 +87,12 @@ async def run_variant(runner, tok, sched, prompts, max_tokens: int,
                                               sampling=SamplingParams(temperature=0.0),
                                               ignore_eos=False))
             last = None
+            sent = time.perf_counter()
             async for ev in h.events:
                 if isinstance(ev, TokenEvent):
                     now = time.perf_counter()
                     if last is None:
-                        t_first.append(now - t0)
+                        t_first.append(now - sent)
                     else:  # tokens that came together: one gap, then zeros
                         gaps.append(now - last)
                         gaps.extend([0.0] * (len(ev.token_ids) - 1))
@@ -95,9 +101,15 @@ async def run_variant(runner, tok, sched, prompts, max_tokens: int,
                 elif isinstance(ev, FinishEvent):
                     break
 
+        todo = iter(range(len(prompts)))
+
+        async def client():
+            for i in todo:
+                await one(i)
+
         async with trio.open_nursery() as inner:
-            for i in range(len(prompts)):
-                inner.start_soon(one, i)
+            for _ in range(streams):
+                inner.start_soon(client)
         wall = time.perf_counter() - t0
         spec = engine.scheduler.spec_stats()
         nursery.cancel_scope.cancel()
@@ -119,6 +131,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--workloads", default="repeat,chat")
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="alternating off/ngram runs")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--decode-buckets", default=None,
@@ -137,7 +150,7 @@ def main() -> int:
     results = []
     for workload in args.workloads.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
-            prompts = requests(tok, workload, c, args.max_tokens)
+            prompts = requests(tok, workload, c * args.requests_per_stream)
             runs: dict[str, list[dict]] = {"off": [], "ngram": []}
             for _ in range(args.rounds):
                 for mode in ("off", "ngram"):
@@ -145,7 +158,7 @@ def main() -> int:
                                                     num_speculative_tokens=args.k,
                                                     ttft_target_s=0.0)
                     runs[mode].append(trio.run(run_variant, runner, tok, sched, prompts,
-                                               args.max_tokens, workload == "refused"))
+                                               args.max_tokens, c, workload == "refused"))
             row = {"workload": workload, "concurrency": c}
             for mode, rs in runs.items():
                 best = max(rs, key=lambda r: r["tok_s"])

@@ -261,12 +261,13 @@ class Speculation:
         # its bucket's edge, so several verifies may pay where one alone does not.
         cands.sort(key=lambda c: -c[0])
         best = self._step_rate(nd, base, 0, 0.0) * _MARGIN
-        rows, gain, take = 0, 0.0, 0
+        rows, gain, take, guess = 0, 0.0, 0, False
         for m, (_, i, n, g, props) in enumerate(cands, 1):
             if rows + n > spare:
                 break
             rows, gain = rows + n, gain + g
-            rate = self._step_rate(nd, base, rows, gain)
+            guess = guess or props is None
+            rate = self._step_rate(nd, base, rows, gain, explore=not guess)
             if rate > best:
                 best, take = rate, m
         for _, i, n, g, props in cands[:take]:
@@ -275,18 +276,20 @@ class Speculation:
             else:
                 self._verify_chunk(batch, i, props)
 
-    def _step_rate(self, nd: int, base: float, rows: int, gain: float) -> float:
+    def _step_rate(self, nd: int, base: float, rows: int, gain: float,
+                   explore: bool = True) -> float:
         """Tokens a second of a step of `nd` decodes (`base` seconds) with `rows` proposal
         rows expected to yield `gain` tokens (0 rows: plain, overlapped); 0 past the ITL
         target (or `base` where that is past it already). An overlapped step takes the
         longer of its computation and the engine's host work a step (`spec_sync_s`, 0
-        without overlap); a verify's step, which is not overlapped, their sum. A shape
-        that has not run a real step yet is tried (its warm-up ran on a made-up context):
-        its first verify measures it."""
+        without overlap); a verify's step, which is not overlapped, their sum. With
+        `explore`, a shape that has not run a real step yet is tried (its warm-up ran on
+        a made-up context): its first verify measures it; without (a pending sequence's
+        proposals are only a guess), its warm-up figure stands."""
         host = self.spec_sync_s
         if not rows:
             return nd / max(base, host) if base > 0 else 0.0
-        t = self._spec_step_time(nd + rows)
+        t = self._spec_step_time(nd + rows, explore)
         if t <= 0 or base <= 0:
             return math.inf
         limit = max(self.itl_target or self.config.itl_target_s, base)
@@ -294,10 +297,11 @@ class Speculation:
             return 0.0
         return (nd + gain) / (t + host)
 
-    def _spec_step_time(self, rows: int) -> float:
-        """Predicted seconds of a decode step of `rows` rows (0: not measured yet)."""
+    def _spec_step_time(self, rows: int, explore: bool = True) -> float:
+        """Predicted seconds of a decode step of `rows` rows (0: not measured yet, with
+        `explore`)."""
         cost = self.cost
-        return cost.predict(rows, 0) if cost.measured(rows, 0) else 0.0
+        return cost.predict(rows, 0) if cost.measured(rows, 0) or not explore else 0.0
 
     def _prompts_ready(self) -> bool:
         """A prompt could take part of this step (prefilling, or admissible)."""

@@ -18,7 +18,7 @@ import trio
 from config.settings import SchedulerConfig
 from model.config import ModelConfig
 from model.runner import ModelRunner, enable_compilation_cache
-from scheduler.api import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
+from scheduler.api import FinishEvent, GenerateRequest, TokenEvent
 from scheduler.engine import Engine
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
 
@@ -63,7 +63,7 @@ async def generate(runner, reqs, *, speculative: str, concurrent: bool, detok=No
     engine = Engine(runner, detok or Detok(), cfg)
     # Proposals wherever there are rows for them: whether they pay on this CPU is the
     # policy's business (tests/scheduler), what they produce is this file's.
-    engine.scheduler._spec_step_time = lambda rows: 0.0
+    engine.scheduler._spec_step_time = lambda rows, explore=True: 0.0
     out = [None] * len(reqs)
 
     async def one(i):
