@@ -126,6 +126,14 @@ async def run_variant(runner, tok, sched, prompts, max_tokens: int, streams: int
                                for n in runner.decode_buckets}}
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common beginning of two token lists."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="1,16")
@@ -171,6 +179,13 @@ def main() -> int:
                                      for r in runs["ngram"])
             row["plain_runs_same"] = all(r["outputs"] == runs["off"][0]["outputs"]
                                          for r in runs["off"])
+            # Where answers part from the first plain run's: (request, first differing
+            # token) of the speculative runs' and of the other plain runs'.
+            row["parted"] = {mode: sorted({(i, _common(a, b)) for r in rs[mode == "off":]
+                                           for i, (a, b) in enumerate(zip(
+                                               r["outputs"], runs["off"][0]["outputs"]))
+                                           if a != b})
+                             for mode, rs in runs.items()}
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
     print(json.dumps({"cases": results, "decode_buckets": pool.decode_buckets,

@@ -17,7 +17,10 @@ the next token. Every emitted token is thus a draw of the target distribution gi
 tokens before it, which is rejection sampling for a point proposal (accept with
 probability p(d); on rejection the draw conditioned on differing is p without d,
 renormalised). Greedy output is token for token what plain decoding gives, and so is
-seeded sampling. Penalties count the proposals before a row, a grammar masks each row as
+seeded sampling, as far as a row's logits do not depend on the rows beside it: exactly
+with f32 weights; with the CPU's int8 weights a verify's rows round as batched rows do,
+and an answer can part from the plain one where a batched answer parts from an alone
+one (docs/benchmarks.md, "Speculative decoding"). Penalties count the proposals before a row, a grammar masks each row as
 it would be after them (a proposal it refuses is cut before verification), logprobs are
 the rows' own.
 
