@@ -90,10 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-strict", action="store_true",
                    help="hold every step to the ITL target, the number of streams "
                         "included: it follows from the target (config: itl_strict)")
-    s.add_argument("--speculative", choices=["off", "ngram"],
+    s.add_argument("--speculative", choices=["off", "ngram", "draft"],
                    help="speculative decoding: ngram proposes the tokens that followed the "
-                        "last few tokens earlier in the prompt or answer, verified in the "
-                        "same step; output unchanged (config: speculative)")
+                        "last few tokens earlier in the prompt or answer, draft a smaller "
+                        "model's greedy guesses (--draft-model), verified in the same "
+                        "step (config: speculative)")
+    s.add_argument("--draft-model", metavar="SOURCE",
+                   help="the draft model for --speculative draft, a model source as "
+                        "--model takes, of the same tokenizer (config: draft_model)")
     s.add_argument("--num-speculative-tokens", type=int, metavar="K",
                    help="proposals a sequence may verify in one step, at most (config: "
                         "num_speculative_tokens, 4)")
@@ -197,6 +201,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
             sched = replace(sched, itl_strict=True)
         if getattr(args, "speculative", None):
             sched = replace(sched, speculative=args.speculative)
+        if getattr(args, "draft_model", None):
+            sched = replace(sched, draft_model=args.draft_model)
         if getattr(args, "num_speculative_tokens", None) is not None:
             sched = replace(sched, num_speculative_tokens=args.num_speculative_tokens)
         pool = replace(pool, scheduler=sched)

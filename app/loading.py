@@ -56,6 +56,7 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     del loaded  # the runners hold the weights now, in their own layout
     if multihost.active():  # from here on every device call is mirrored to the followers
         runners[0].mirror = multihost.Leader()
+    drafts = draft_proposers(cfg, config, groups, warmup, show_progress)
     engines: list[Any] = []
     for i, runner in enumerate(runners):
         what = f"{cfg.name}: warm up replica {i + 1}/{cfg.replicas}"
@@ -70,7 +71,8 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
             else:
                 lengths = first_prompts(tokenizer) if first_prompts else [64]
                 runner.warm_essential(lengths, progress=report)
-        engines.append(Engine(runner, tokenizer, cfg.scheduler, name=f"{cfg.name}/{i}"))
+        engines.append(Engine(runner, tokenizer, cfg.scheduler, name=f"{cfg.name}/{i}",
+                              proposer=drafts[i]))
     if warmup == "background":
         for runner in runners:
             runner.warm_in_background()
@@ -85,6 +87,42 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
         except ValueError as e:
             raise ValueError(f"pool {cfg.name!r}: adapter {a.name!r}: {e}") from None
     return pool
+
+
+def draft_proposers(cfg: PoolConfig, config, groups, warmup: str,
+                    show_progress: bool) -> list[Any]:
+    """Each replica's draft model (`speculative = "draft"`: `draft_model`, on the replica's
+    devices, a quarter of `kv_cache_bytes` for its pool, the pool's shapes, every shape
+    compiled before serving); Nones otherwise."""
+    if cfg.scheduler.speculative != "draft":
+        return [None] * len(groups)
+    import msgspec
+
+    from model import multihost
+
+    if multihost.active():  # its device calls are not mirrored to the followers
+        raise ValueError(f"pool {cfg.name!r}: a draft model on a multi-host replica is not "
+                         "supported (use speculative = \"ngram\")")
+
+    from model.draft import DraftProposer
+    from model.runner import ModelRunner
+    from model.weights import load_model
+
+    draft = load_model(cfg.scheduler.draft_model, progress=show_progress)
+    if draft.config.vocab_size != config.vocab_size:
+        raise ValueError(f"pool {cfg.name!r}: draft model {cfg.scheduler.draft_model} has "
+                         f"{draft.config.vocab_size} tokens, the model "
+                         f"{config.vocab_size}: a draft must share the tokenizer")
+    shape = msgspec.structs.replace(cfg, kv_cache_bytes=max(cfg.kv_cache_bytes // 4, 1 << 20),
+                                    kv_host_bytes=0, kv_disk_dir=None, max_loras=0,
+                                    adapters=[])
+    out = []
+    for group in groups:
+        runner = ModelRunner.for_pool(draft.config, draft.params, shape, devices=group)
+        if warmup != "essential":
+            runner.warmup()  # its steps must never wait for a compile
+        out.append(DraftProposer(runner))
+    return out
 
 
 def device_groups(cfg: PoolConfig) -> list[list[Any] | None]:

@@ -103,8 +103,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # acceptance, up to num_speculative_tokens; a step proposes only where the step-cost
     # model says the tokens per second go up within the ITL target, never beside a prompt
     # chunk. "off": never.
-    speculative: Literal["off", "ngram"] = "ngram"
+    # "draft": a smaller model of the same tokenizer (`draft_model`, a model source as
+    # `model` takes) guesses greedily, with its own KV pool (a quarter of
+    # kv_cache_bytes) and the pool's compiled shapes (model/draft.py).
+    speculative: Literal["off", "ngram", "draft"] = "ngram"
     num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    draft_model: str | None = None
     ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 2
     ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
 
@@ -294,6 +298,9 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"a decode bucket of at least max_running, {streams})")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_names has duplicates: {self.served_model_names}")
+        if (self.scheduler.speculative == "draft") != bool(self.scheduler.draft_model):
+            raise ValueError(f"pools[{self.name}].scheduler: speculative = \"draft\" and "
+                             "draft_model go together (the draft model's source)")
         if self.kv_disk_dir and not self.kv_host_bytes:
             raise ValueError(f"pools[{self.name}].kv_disk_dir needs kv_host_bytes > 0: pages "
                              "read from disk land in the host tier")

@@ -52,7 +52,7 @@ The admission prediction is not here: the door is scheduler/admission.py, the st
 model it and the policy predict from is scheduler/step_cost.py; the engine only tells the
 door when the steps in flight should end (`step_ends_at`) and feeds the model measured
 step times. The step log is scheduler/step_log.py.
-(About 480 lines: the loop and a step's whole way through it, launch, collect, commit
+(About 500 lines: the loop and a step's whole way through it, launch, collect, commit
 and the step record, are read in one place.)
 """
 
@@ -103,7 +103,7 @@ class Engine(Delivery):
 
     def __init__(self, runner: Runner, detokenizer: Detokenizer, config: SchedulerConfig, *,
                  name: str = "default", clock: Callable[[], float] = time.monotonic,
-                 step_records: int = 1024) -> None:
+                 step_records: int = 1024, proposer: Any = None) -> None:
         self.runner = runner
         self.detokenizer = detokenizer
         self.config = config
@@ -115,6 +115,9 @@ class Engine(Delivery):
                                    max_context=runner.max_context)
         self.admission = Admission(self.scheduler, config, clock,
                                    max_context=runner.max_context)
+        if proposer is not None and not self.scheduler.static:  # a draft model's
+            # (model/draft.py), built by the loader
+            self.scheduler.proposer = proposer
         # The KV tiers below the pool (scheduler/kv_tiers.py), if the runner keeps them.
         store = getattr(runner, "kv_store", None)
         if store is not None:
@@ -145,6 +148,8 @@ class Engine(Delivery):
         self._failed_index = 0  # the last failed step's launch index
         # Steps launched and not yet committed, oldest first (at most two, for a moment).
         self._flight: list[_Launched] = []
+        self.draft_errors = 0  # a draft model's failed guesses (the last one's why)
+        self.draft_error: str | None = None
 
     # -- the public face ---------------------------------------------------------------
     @property
@@ -289,6 +294,8 @@ class Engine(Delivery):
             if prev is not None and not prev.overlappable:
                 await self._finish(prev)  # its tokens are needed to plan the next step
                 continue
+            if wanted := self.scheduler.spec_wanted():
+                await self._draft(wanted)  # a draft model's guesses, before the plan
             batch = self.scheduler.schedule()
             self._host += self.clock() - t_plan
             if self.scheduler.pages.tiers is not None:
@@ -308,6 +315,17 @@ class Engine(Delivery):
             # Let other tasks (HTTP handlers reading events) run between steps even if
             # the runner returned instantly.
             await trio.lowlevel.checkpoint()
+
+    async def _draft(self, wanted) -> None:
+        """A draft model guesses for `wanted` (sequence, k) in the worker thread, beside
+        no step of the target's (they share the cores). A failure costs the guesses,
+        never a request."""
+        try:
+            await trio.to_thread.run_sync(self.scheduler.proposer.prepare, wanted,
+                                          limiter=self._limiter)
+        except Exception as exc:  # noqa: BLE001 - logged; this step plans without guesses
+            self.draft_errors += 1
+            self.draft_error = f"{type(exc).__name__}: {exc}"
 
     def _start_loads(self) -> None:
         """Disk reads the last plan asked for: each in a worker thread beside the steps

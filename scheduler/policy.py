@@ -451,6 +451,7 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
         del self.running[seq.seq_id]
         self.pages.free(seq)
         self._release_adapter(seq)
+        self.spec_forget(seq)
         seq.num_computed_tokens = 0
         seq.inflight = 0  # a token sampled in flight is dropped (`commit`): recomputed
         seq.num_preemptions += 1

@@ -4,7 +4,7 @@ Decoding reads every weight for a handful of rows; verifying k proposed tokens c
 more rows of the same step, so each proposal the model agrees with is a token nearly for
 free. A proposer guesses the next tokens of a sequence (`Proposer`; the n-gram one here
 matches the last tokens against the prompt and output so far, vLLM's and llama.cpp's
-prompt lookup); the policy turns a decode chunk into a verify chunk (`SeqChunk.draft`:
+prompt lookup; a draft model's greedy guesses, model/draft.py); the policy turns a decode chunk into a verify chunk (`SeqChunk.draft`:
 the last known token and k proposals, each position a decode row of the same step,
 scheduler/protocol.py); the runner samples at every position as if the proposals before
 it were the sequence's tokens.
@@ -40,7 +40,7 @@ carrying a prompt chunk carries no proposals (a first token is not delayed for t
 sequence whose proposals are refused is retried with one proposal every `_PROBE_STEPS`
 steps.
 
-`Speculation` is a mixin of `Scheduler` (scheduler/policy.py). (About 370 lines: the
+`Speculation` is a mixin of `Scheduler` (scheduler/policy.py). (About 420 lines: the
 proposer, the per-step choice and the books of a verify share one set of estimates.)
 """
 
@@ -63,7 +63,9 @@ _POOL_DECAY = 0.95  # weight of the pool's earlier verifies in a new sequence's 
 
 class Proposer(Protocol):
     """Guesses a sequence's next tokens (on the engine's thread, while a step is planned).
-    A draft model or an EAGLE head answers the same question from its own state."""
+    One that computes them on a device (a draft model: model/draft.py; an EAGLE head)
+    also has `prepare(wanted)`, which the engine runs in its worker thread before the
+    plan for `Speculation.spec_wanted`'s (sequence, k), and `forget(seq)`."""
 
     name: str
 
@@ -161,8 +163,9 @@ def lookup(toks: list[int], k: int, min_n: int, max_n: int,
 
 
 def make_proposer(config) -> Proposer | None:
-    """The pool's proposer (`SchedulerConfig.speculative`); None: speculation off."""
-    if config.speculative == "off":
+    """The pool's proposer (`SchedulerConfig.speculative`); None: speculation off, or a
+    draft model, which the loader builds (model/draft.py) and hands the engine."""
+    if config.speculative in ("off", "draft"):
         return None
     if config.speculative == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
@@ -233,14 +236,7 @@ class Speculation:
             st = seq.spec
             rate = st.rate(prior)
             st.idle += 1
-            k = _k_for(rate, self.spec_k)
-            if k == 0 or st.found < _MIN_GAIN:
-                if st.idle < _PROBE_STEPS:
-                    continue
-                k = 1
-            # Room: max_tokens (this step's own token is one of them) and the context.
-            k = min(k, seq.max_tokens - seq.num_generated - 1 - seq.inflight,
-                    (self.max_context or 1 << 30) - 1 - chunk.start_pos, spare)
+            k = self._wanted_k(seq, rate, chunk.start_pos, spare)
             if k <= 0:
                 continue
             if chunk.pending:
@@ -278,6 +274,49 @@ class Speculation:
                 batch.spec_sync = True
             else:
                 self._verify_chunk(batch, i, props)
+
+    def _wanted_k(self, seq: Sequence, rate: float, start: int, spare: int) -> int:
+        """How many tokens to guess for `seq`, whose last token is at `start` (0: none):
+        what its acceptance makes worth a row each, or a probe of one after
+        `_PROBE_STEPS` steps without; within max_tokens, the context and `spare` rows."""
+        st = seq.spec
+        k = _k_for(rate, self.spec_k)
+        if k == 0 or st.found < _MIN_GAIN:
+            if st.idle < _PROBE_STEPS:
+                return 0
+            k = 1
+        # (this step's own token is one of max_tokens)
+        return min(k, seq.max_tokens - seq.num_generated - 1 - seq.inflight,
+                   (self.max_context or 1 << 30) - 1 - start, spare)
+
+    def spec_wanted(self) -> list[tuple[Sequence, int]]:
+        """For a proposer that computes its guesses (a draft model's `prepare`), before
+        the next plan: the decoding sequences whose last token is known and that are
+        worth guessing for, each with its k (none beside a prompt chunk)."""
+        if getattr(self.proposer, "prepare", None) is None or self._prompts_ready():
+            return []
+        decoding = [s for s in self.running.values() if s.phase is Phase.DECODE]
+        spare = min(self.limits.max_decode_seqs, self.config.max_step_tokens) - len(decoding)
+        if spare <= 0:
+            return []
+        prior = (self._pool_accepted + 1.0) / (self._pool_trials + 2.0)
+        interactive = any(not s.batch for s in decoding)
+        out = []
+        for seq in decoding:
+            if seq.inflight or (seq.batch and interactive):
+                continue
+            if seq.spec is None:
+                seq.spec = SpecState()
+            k = self._wanted_k(seq, seq.spec.rate(prior), len(seq.token_ids) - 1, spare)
+            if k > 0:
+                out.append((seq, k))
+        return out
+
+    def spec_forget(self, seq: Sequence) -> None:
+        """The sequence left the running set: a proposer's state of it goes."""
+        forget = getattr(self.proposer, "forget", None)
+        if forget is not None:
+            forget(seq)
 
     def _step_rate(self, nd: int, base: float, rows: int, gain: float,
                    explore: bool = True) -> float:

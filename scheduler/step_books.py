@@ -125,6 +125,7 @@ class StepBooks:
             self.pages.free(seq)
             self.waiting.stopped(seq)
             self._release_adapter(seq)
+            self.spec_forget(seq)
         elif seq.phase is Phase.QUEUED:
             self.waiting.remove(seq)
         seq.phase = Phase.DONE

@@ -1,11 +1,13 @@
 """Speculative decoding through the whole server (tiny random model, a real hypercorn
-server, the openai client): streamed answers equal those of a server without it, vLLM's
+server, the openai client), by n-gram lookup and by a draft model: streamed answers equal
+those of a server without it, vLLM's
 `spec_decode` counters on /metrics, the pool's `speculative` in /v1/stats, every page back."""
 
 from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 from config.settings import PoolConfig, SchedulerConfig, ServerConfig, Settings
 from tests.app.test_faults import pages_in_use, settle
@@ -22,9 +24,10 @@ def settings(speculative: str) -> Settings:
                       page_size=16, kv_cache_bytes=200 * 8192, decode_buckets=[4, 16],
                       prefill_buckets=[64, 128], mixed_decode_buckets=[4, 16],
                       max_prefill_seqs=2, dtype="float32", quantization="none",
-                      scheduler=SchedulerConfig(max_running=4, ttft_target_s=0.0,
-                                                queue_deadline_s=120.0, ngram_min=1,
-                                                speculative=speculative))
+                      scheduler=SchedulerConfig(
+                          max_running=4, ttft_target_s=0.0, queue_deadline_s=120.0,
+                          ngram_min=1, speculative=speculative,
+                          draft_model="random:tiny" if speculative == "draft" else None))
     return Settings(server=ServerConfig(port=0, console=False), pools=[pool])
 
 
@@ -39,10 +42,13 @@ async def answers(url: str) -> list[str]:
     return out
 
 
-async def test_streamed_answers_equal_plain_decoding_and_the_counters_say_so():
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+async def test_streamed_answers_equal_plain_decoding_and_the_counters_say_so(mode):
+    """n-gram lookup, and a draft model (here the served model itself: its greedy
+    guesses are all accepted)."""
     async with real_server(settings("off")) as (url, _):
         plain = await answers(url)
-    async with real_server(settings("ngram")) as (url, state):
+    async with real_server(settings(mode)) as (url, state):
         spec = await answers(url)
         await settle(state)
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -58,5 +64,7 @@ async def test_streamed_answers_equal_plain_decoding_and_the_counters_say_so():
                   position="0") <= drafts
     pool = stats["pools"][0]
     assert pool["kv_pages"]["audit_problems"] == []
-    assert pool["speculative"]["mode"] == "ngram"
+    assert pool["speculative"]["mode"] == mode
+    if mode == "draft":
+        assert accepted == proposed
     assert len(pool["speculative"]["acceptance_by_position"]) == 4

@@ -52,15 +52,16 @@ def runner():
 
 
 async def generate(runner, reqs, *, speculative: str, concurrent: bool, detok=None,
-                   max_running: int = 6):
+                   max_running: int = 6, proposer=None):
     """Each request's (tokens, logprobs, final event) and the speculation stats."""
     # 6 streams: the 16-row decode bucket leaves rows for their proposals. No overlap
     # (tests/scheduler covers it with proposals).
     cfg = SchedulerConfig(speculative=speculative, ttft_target_s=0.0, max_running=max_running,
+                          draft_model="draft" if speculative == "draft" else None,
                           overlap=False,
                           max_step_tokens=80, queue_deadline_s=600.0, max_waiting=1000,
                           kv_reserve_pages=2)
-    engine = Engine(runner, detok or Detok(), cfg)
+    engine = Engine(runner, detok or Detok(), cfg, proposer=proposer)
     # Proposals wherever there are rows for them: whether they pay on this CPU is the
     # policy's business (tests/scheduler), what they produce is this file's.
     engine.scheduler._spec_step_time = lambda rows, explore=True: 0.0
@@ -326,3 +327,32 @@ def test_the_fidelity_set_on_the_embedded_model(embedded_model):
     for q, a, b, c in zip(FIDELITY, plain, spec, alone):
         assert b[0] == a[0], f"{q!r}: batched, speculative differs"
         assert c[0] == a[0], f"{q!r}: alone, speculative differs"
+
+
+@pytest.mark.parametrize("draft_seed", [3, 7])
+def test_a_draft_model_proposes_and_nothing_changes(runner, draft_seed):
+    """A draft model (the target itself, seed 3: every guess right; another random
+    model, seed 7: most wrong) guesses greedily in its own pool: answers equal plain
+    decoding's, and every draft page goes back."""
+    from model.draft import DraftProposer
+
+    draft = ModelRunner(TINY, random_params(TINY, seed=draft_seed), page_size=8,
+                        num_pages=300, max_context=512, decode_buckets=(1, 4, 8, 16),
+                        prefill_buckets=(32, 64), block_q=8, max_prefill_seqs=2,
+                        dtype="float32")
+    draft.warmup()
+    proposer = DraftProposer(draft)
+    prompts = random_prompts(30, seed=6)
+    reqs = [GenerateRequest(prompt_ids=p, max_tokens=16 + i % 9, sampling=GREEDY,
+                            ignore_eos=True) for i, p in enumerate(prompts)]
+    plain, _ = trio.run(lambda: generate(runner, reqs, speculative="off", concurrent=True))
+    spec, stats = trio.run(lambda: generate(runner, reqs, speculative="draft",
+                                            concurrent=True, proposer=proposer))
+    assert [s[0] for s in spec] == [p[0] for p in plain]
+    # (a draft that keeps missing is soon asked only now and then)
+    assert stats["drafts"] > (20 if draft_seed == 3 else 0) and proposer.steps > 0
+    if draft_seed == 3:  # the target as its own draft: greedy guesses all accepted
+        assert stats["accepted_tokens"] == stats["draft_tokens"]
+    else:
+        assert stats["accepted_tokens"] < 0.5 * stats["draft_tokens"]
+    assert len(proposer._free) == draft.num_pages - 1 and not proposer._seqs
