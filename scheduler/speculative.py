@@ -267,7 +267,7 @@ class Speculation:
             rows, gain = rows + n, gain + g
             guess = guess or props is None
             rate = self._step_rate(nd, base, rows, gain, explore=not guess)
-            if rate > best:
+            if rate > best or rate == math.inf:  # (a shape not measured yet: try them all)
                 best, take = rate, m
         for _, i, n, g, props in cands[:take]:
             if props is None:
