@@ -72,3 +72,37 @@ async def test_mixed_adapters_match_each_alone_through_swaps(tmp_path):
     assert stats.kv_pages_in_use == 0 and stats.running == 0
     assert stats.adapters["running"] == {} and stats.adapters["waiting"] == {}
     assert engine.scheduler.adapters.users.total() == 0
+
+
+async def test_adapters_verify_speculative_rows_under_their_own_slots(tmp_path):
+    """Speculative verifies of base and adapter sequences in the same steps (every guess
+    verified: the step-cost check is bypassed): the same tokens as without speculation,
+    each row under its sequence's adapter."""
+    runner = ModelRunner(TINY, random_params(TINY, seed=4), page_size=8, num_pages=160,
+                         max_context=512, decode_buckets=(1, 4, 8, 16),
+                         prefill_buckets=(32, 64), block_q=8, max_prefill_seqs=4,
+                         adapter_slots=2, max_lora_rank=16)
+    runner.warmup()
+    for name, rank in (("a4", 4), ("a8", 8)):
+        write_peft(tmp_path / name, TINY, rank=rank, seed=rank)
+        runner.add_adapter(load_peft_adapter(tmp_path / name, name, TINY, max_rank=16))
+    rng = np.random.default_rng(1)
+    names = [None, "a4", "a8"] * 2
+    prompts = [rng.integers(3, 12, 8).tolist() * 3 for _ in names]  # spans that repeat
+    outs = {}
+    for mode in ("off", "ngram"):
+        reqs = [GenerateRequest(prompt_ids=p, max_tokens=20, ignore_eos=True, adapter=n,
+                                sampling=SamplingParams(temperature=0.0))
+                for p, n in zip(prompts, names)]
+        engine = Engine(runner, FakeDetokenizer(), SchedulerConfig(
+            max_running=4, max_step_tokens=64, kv_reserve_pages=2, ttft_target_s=0,
+            overlap=False, speculative=mode, ngram_min=1))
+        engine.scheduler._spec_step_time = lambda rows, explore=True: 0.0
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            outs[mode] = await run(engine, reqs, concurrent=True)
+            nursery.cancel_scope.cancel()
+        spec = engine.scheduler.spec_stats()
+        assert engine.stats().kv_pages_in_use == 0
+    assert outs["ngram"] == outs["off"]
+    assert spec["drafts"] > 10
