@@ -129,7 +129,5 @@ class DraftProposer:
             d.computed = max(d.computed, c.start_pos + len(c.token_ids))
             if c.sample:
                 tok = result.sampled.get(c.seq_id)
-                if tok is None:  # (a row the draft could not sample: no guess)
-                    d.guesses = d.guesses or []
-                    continue
-                d.guesses.append(tok.token_id)
+                if tok is not None:  # (a row the draft could not sample: no guess)
+                    d.guesses.append(tok.token_id)

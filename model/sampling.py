@@ -273,7 +273,8 @@ def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dic
     finite logprob): it fails alone instead of emitting an arbitrary token (a verify's
     sequence fails if any of its rows does). The check reads a value the sampler
     computes anyway, so it costs nothing on the device."""
-    out, failed, several = {}, {}, {}
+    failed: dict[int, str] = {}
+    by_seq: dict[int, list[tuple[int, SampledToken]]] = {}  # (position, token) per row
     finite = np.isfinite(packed[:len(rows), 1])
     for r, c in enumerate(rows):
         if not finite[r]:
@@ -287,12 +288,13 @@ def unpack(packed: np.ndarray, rows: list) -> tuple[dict[int, SampledToken], dic
             tok.top_logprobs = [TokenLogprob(int(packed[r, 2 + j]),
                                              float(packed[r, 2 + TOP_LOGPROBS + j]))
                                 for j in range(k)]
-        if c.seq_id in out:
-            several.setdefault(c.seq_id, [(out[c.seq_id][0], out[c.seq_id][1])]).append(
-                (c.start_pos, tok))
-            if c.start_pos > out[c.seq_id][0]:
-                continue
-        out[c.seq_id] = (c.start_pos, tok)
-    drafted = {sid: [t for _, t in sorted(toks, key=lambda pt: pt[0])]
-               for sid, toks in several.items() if sid not in failed}
-    return ({sid: t for sid, (_, t) in out.items() if sid not in failed}, failed, drafted)
+        by_seq.setdefault(c.seq_id, []).append((c.start_pos, tok))
+    out, drafted = {}, {}
+    for sid, toks in by_seq.items():
+        if sid in failed:
+            continue
+        toks.sort(key=lambda pt: pt[0])
+        out[sid] = toks[0][1]
+        if len(toks) > 1:
+            drafted[sid] = [t for _, t in toks]
+    return out, failed, drafted

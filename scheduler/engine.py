@@ -59,6 +59,7 @@ and the step record, are read in one place.)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 import uuid
@@ -79,6 +80,8 @@ from .policy import Scheduler
 from .protocol import Detokenizer, Runner, RunnerLost
 from .request import Phase, Sequence
 from .step_log import StepLog, StepRecord
+
+log = logging.getLogger("sluice.engine")
 
 EVENT_BUFFER = 16  # events per request channel; more than that are coalesced
 _IDLE_POLL_S = 0.01  # while undelivered events wait for a slow client and nothing runs
@@ -148,8 +151,6 @@ class Engine(Delivery):
         self._failed_index = 0  # the last failed step's launch index
         # Steps launched and not yet committed, oldest first (at most two, for a moment).
         self._flight: list[_Launched] = []
-        self.draft_errors = 0  # a draft model's failed guesses (the last one's why)
-        self.draft_error: str | None = None
 
     # -- the public face ---------------------------------------------------------------
     @property
@@ -323,9 +324,9 @@ class Engine(Delivery):
         try:
             await trio.to_thread.run_sync(self.scheduler.proposer.prepare, wanted,
                                           limiter=self._limiter)
-        except Exception as exc:  # noqa: BLE001 - logged; this step plans without guesses
-            self.draft_errors += 1
-            self.draft_error = f"{type(exc).__name__}: {exc}"
+        except Exception:  # noqa: BLE001 - logged; this step plans without guesses
+            log.warning("engine %s: the draft model's guesses failed", self.name,
+                        exc_info=True)
 
     def _start_loads(self) -> None:
         """Disk reads the last plan asked for: each in a worker thread beside the steps
@@ -464,9 +465,9 @@ class Engine(Delivery):
         start = max(t0, self._last_end)
         self._last_end = t1
         tokens = batch.plan.num_tokens
-        if self._overlap:  # what a step that cannot overlap costs beyond its computation
-            spec = self.scheduler
-            spec.spec_sync_s += 0.1 * (host - spec.spec_sync_s)
+        if self._overlap:  # the host work a verify's step adds to its computation
+            sched = self.scheduler
+            sched.spec_sync_s += 0.1 * (host - sched.spec_sync_s)
         self._log.record(batch, start, max(start, t1), real_tokens=result.real_tokens or tokens,
                          padded_tokens=result.padded_tokens or tokens,
                          predicted_s=launched.predicted, measured_s=result.device_seconds,
