@@ -96,7 +96,7 @@ class StepAssembly:
                             context=min(2048, self.max_context - 1))
 
     def _batch(self, layout: StepLayout, copies: list[tuple[int, int]]) -> StepBatch:
-        dec, pf = self.attention.prepare(self.kv, (layout.decode, layout.prefill),
+        dec, pf = self.attention.prepare_step(self.kv, (layout.decode, layout.prefill),
                                          layout.slots, copies)
         return StepBatch(tokens=layout.tokens, positions=layout.positions, slots=layout.slots,
                          sample_idx=layout.sample_idx, decode=dec, prefill=pf,

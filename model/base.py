@@ -45,6 +45,10 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
     if config.qkv_bias:
         layer |= {"bq": (qd,), "bk": (kd,), "bv": (kd,)}
+    if config.qk_norm:
+        layer |= {"q_norm": (config.head_dim,), "k_norm": (config.head_dim,)}
+    if config.sandwich_norms:
+        layer |= {"post_attn_norm": (h,), "post_mlp_norm": (h,)}
     for n in range(config.num_layers):
         shapes |= {f"layers.{n}.{k}": s for k, s in layer.items()}
     return shapes

@@ -106,6 +106,11 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     }
     if cfg.qkv_bias:
         groups["attn"]["bqkv"] = lambda lp: interleave([lp["bq"], lp["bk"], lp["bv"]], shards, 0)
+    if cfg.qk_norm:  # one weight for every head: the same on each device
+        groups["attn"] |= {"q_norm": lambda lp: lp["q_norm"], "k_norm": lambda lp: lp["k_norm"]}
+    if cfg.sandwich_norms:
+        groups["attn"]["post_attn_norm"] = lambda lp: lp["post_attn_norm"]
+        groups["mlp"]["post_mlp_norm"] = lambda lp: lp["post_mlp_norm"]
     layers: dict = {}
     for group, tensors in groups.items():
         if (unrolled or (group == "mlp" and switched_mlp)) and not quantize:
@@ -136,12 +141,16 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     return out
 
 
-def rope_inv_freq(cfg: ModelConfig):
-    """Rotary inverse frequencies, with Llama 3 long-context scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, *, local: bool = False):
+    """Rotary inverse frequencies, with Llama 3 long-context scaling when configured.
+    `local`: the sliding layers' (their own base where `rope_local_theta` is set, and no
+    scaling, as Gemma 3 runs them)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling
-    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = None if local and cfg.rope_local_theta else cfg.rope_scaling
+    kind = rs and rs.get("rope_type", rs.get("type", "llama3" if "low_freq_factor" in rs else None))
+    if kind == "llama3":
         factor = rs["factor"]
         low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
         old = rs.get("original_max_position_embeddings", 8192)
@@ -150,7 +159,7 @@ def rope_inv_freq(cfg: ModelConfig):
         scaled = np.where(wavelen > old / low, inv / factor, inv)
         mid = (wavelen <= old / low) & (wavelen >= old / high)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    elif rs and rs.get("rope_type", rs.get("type")) == "linear":
+    elif kind == "linear":
         inv = inv / rs["factor"]
     return np.asarray(inv, np.float32)
 
@@ -248,10 +257,21 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     # them: the CPU's native int8 kernel multiplies only rows that are not all zero.
     real = (b.slots != 0)[:, None]
     x = jnp.where(real, params["embed"][b.tokens], 0)  # [T, hidden]
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     if fm:
         x = x.T
-    ang = b.positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+
+    def rotations(inv):  # cos, sin [T, 1, D/2] of each token's position
+        ang = b.positions.astype(jnp.float32)[:, None] * jnp.asarray(inv)[None, :]
+        return jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+
+    # Sliding-window layers (model/config.py): which layers, and their own rope base.
+    windowed = cfg.windowed
+    win_flags = jnp.asarray(windowed)
+    rot = rotations(inv_freq)
+    local_rot = (rotations(rope_inv_freq(cfg, local=True))
+                 if cfg.rope_local_theta and any(windowed) else rot)
     page_size = kv[0].shape[1]
     page_idx, page_off = b.slots // page_size, b.slots % page_size
 
@@ -285,15 +305,26 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         return adapted(qkv, hn, "qkv", i)
 
     def attn_out(lp, x, attn, i):  # attention's output projection, added to the residual
-        return x + total(adapted(lin(attn, lp["wo"]), attn, "o", i))
+        y = total(adapted(lin(attn, lp["wo"]), attn, "o", i))
+        if "post_attn_norm" in lp:  # Gemma's sandwich: the output normed before the add
+            y = _rms_norm(y, lp["post_attn_norm"], cfg.rms_norm_eps, ax)
+        return x + y
 
-    def mlp(lp, x, i):  # norm, gate/up, SiLU, down, added to the residual
+    def qk_norms(lp):
+        return lp["q_norm"], lp["k_norm"]
+
+    gelu = cfg.activation == "gelu_tanh"
+
+    def mlp(lp, x, i):  # norm, gate/up, SiLU (GELU), down, added to the residual
         hn = _rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ax)
         gu = adapted(lin(hn, lp["w_gate_up"]), hn, "gate_up", i)
         inter = cfg.intermediate_size
         gate, up = (gu[:inter], gu[inter:]) if fm else (gu[:, :inter], gu[:, inter:])
-        act = jax.nn.silu(gate) * up
-        return x + total(adapted(lin(act, lp["w_down"]), act, "down", i))
+        act = (jax.nn.gelu(gate, approximate=True) if gelu else jax.nn.silu(gate)) * up
+        y = total(adapted(lin(act, lp["w_down"]), act, "down", i))
+        if "post_mlp_norm" in lp:
+            y = _rms_norm(y, lp["post_mlp_norm"], cfg.rms_norm_eps, ax)
+        return x + y
 
     weights = params["layers"]
 
@@ -303,7 +334,20 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         q = rows(qkv, 0, h_ * d).reshape(t, h_, d)
         k = rows(qkv, h_ * d, (h_ + kvh) * d).reshape(t, kvh, d)
         v = rows(qkv, (h_ + kvh) * d, (h_ + 2 * kvh) * d).reshape(t, kvh, d)
+        if cfg.qk_norm:  # each head's q and k normed over head_dim (Qwen3, Gemma 3)
+            qn, kn = _per_layer(weights["attn"], i, qk_norms)
+            q, k = _rms_norm(q, qn, cfg.rms_norm_eps), _rms_norm(k, kn, cfg.rms_norm_eps)
+        # A Python bool in an unrolled loop, else traced: the layer's window and rope.
+        win = windowed[i] if isinstance(i, int) else win_flags[i]
+        if local_rot is rot:
+            cos, sin = rot
+        elif isinstance(win, bool):
+            cos, sin = local_rot if win else rot
+        else:
+            cos, sin = (jnp.where(win, a, b) for a, b in zip(local_rot, rot))
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if cfg.query_scale:  # the backends scale scores by head_dim ** -0.5
+            q = q * jnp.asarray(cfg.query_scale * d ** 0.5, q.dtype)
         # Index the 4-D pool directly (page row, offset), and read it 4-D too: a one-token
         # write is a dynamic-update-slice, and beside a reshaped view of the pool XLA:CPU
         # copied the whole pool per layer to serve both (tests/model check the HLO).
@@ -313,11 +357,11 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         outs = []
         if dec_rows:
             qd = q[:dec_rows].reshape(dec_rows, 1, h_, d)
-            od = attention.attend(qd, k_pool, v_pool, i, b.decode, attn_state)
+            od = attention.attend_layer(qd, k_pool, v_pool, i, b.decode, attn_state, win)
             outs.append(od.reshape(dec_rows, h_ * d))
         if pf_blocks:
             qp = q[dec_rows:].reshape(pf_blocks, block_q, h_, d)
-            op = attention.attend(qp, k_pool, v_pool, i, b.prefill, attn_state)
+            op = attention.attend_layer(qp, k_pool, v_pool, i, b.prefill, attn_state, win)
             outs.append(op.reshape(pf_blocks * block_q, h_ * d))
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs, 0)
         attn = jnp.where(real, attn, 0)  # (whatever a backend gives a padding row)

@@ -38,6 +38,52 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, max_position=32768, tie_embeddings=True, qkv_bias=True,
         eos_token_ids=(151643, 151645),
     ),
+    # The families' real shapes (their checkpoints' config.json; issue 52's test set).
+    "llama3.1-8b": ModelConfig(
+        name="llama3.1-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rms_norm_eps=1e-5, max_position=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b", family="qwen2", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, max_position=32768, qkv_bias=True,
+        eos_token_ids=(151643, 151645),
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", family="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, max_position=40960, qk_norm=True,
+        eos_token_ids=(151643, 151645),
+    ),
+    "mistral-7b-v0.1": ModelConfig(  # every layer slides over 4096 keys
+        name="mistral-7b-v0.1", family="mistral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        rope_theta=10000.0, rms_norm_eps=1e-5, max_position=32768, sliding_window=4096,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "gemma3-4b": ModelConfig(  # the text model of gemma-3-4b-it
+        name="gemma3-4b", family="gemma3", vocab_size=262208, hidden_size=2560,
+        intermediate_size=10240, num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256,
+        rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
+        max_position=131072, tie_embeddings=True, qk_norm=True, sandwich_norms=True,
+        activation="gelu_tanh", embed_scale=2560 ** 0.5, query_scale=256 ** -0.5,
+        sliding_window=1024, sliding_layers=tuple(i for i in range(34) if (i + 1) % 6),
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, bos_token_id=2,
+        eos_token_ids=(1, 106),
+    ),
+    "gemma3-270m": ModelConfig(
+        name="gemma3-270m", family="gemma3", vocab_size=262144, hidden_size=640,
+        intermediate_size=2048, num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+        rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
+        max_position=32768, tie_embeddings=True, qk_norm=True, sandwich_norms=True,
+        activation="gelu_tanh", embed_scale=640 ** 0.5, query_scale=256 ** -0.5,
+        sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
+        bos_token_id=2, eos_token_ids=(1, 106),
+    ),
     # Test models. Vocab 272 = the byte-level tokenizer's 259 ids + reserved specials.
     "tiny": ModelConfig(
         name="tiny", vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -147,7 +147,12 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         self.pool = PoolLayout(layers=cfg.num_layers, pages=self.num_pages,
                                page_size=page_size, kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, dtype=self.kv_storage,
-                               pages_per_seq=-(-self.max_context // page_size))
+                               pages_per_seq=-(-self.max_context // page_size),
+                               # sliding layers (model/config.py): read through windowed
+                               # tables, unless no context is longer than the window
+                               window=(cfg.sliding_window if any(cfg.windowed)
+                                       and self.max_context > cfg.sliding_window else 0),
+                               window_queries=block_q)
         # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
         self.kv_store = self._tier_store(params, quantization, kv_host_bytes, kv_disk_dir,
                                          kv_disk_bytes) if kv_host_bytes else None

@@ -45,6 +45,25 @@ CHATML_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma's turns (Gemma 3's own template, without its image parts): a system message
+# opens the first user turn; the assistant is "model"; a turn ends with <end_of_turn>.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
+    " + '\n' + (first if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Per family: the chat template a model file without one gets, and its turn's end token.
+FAMILY_CHAT = {"gemma3": (GEMMA_TEMPLATE, "<end_of_turn>")}
+
 
 class ChatTemplateError(ValueError):
     """The chat template rejected the messages (raise_exception) or failed to render."""
@@ -118,6 +137,15 @@ class Tokenizer:
         self._build_tables()
 
     # ---- construction -------------------------------------------------------------------
+
+    def with_family_chat(self, family: str) -> "Tokenizer":
+        """This tokenizer with its family's chat template where it has none (Gemma 3
+        GGUFs often ship none), and the family's end-of-turn token stopping generation."""
+        template, end = FAMILY_CHAT.get(family, (None, None))
+        end_id = self._tok.token_to_id(end) if end else None
+        return Tokenizer(self._tok, chat_template=self.chat_template or template,
+                         bos_token=self.bos_token, eos_token=self.eos_token,
+                         extra_eos_ids=self._extra_eos | ({end_id} - {None}))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":

@@ -15,6 +15,13 @@ head_dim]` (an int8 pool: `head_dim + 4`, `to_pool`): layer l's page p is row
 `l * pages + p` (`PoolLayout.pages`), so one layer's view is a page offset, never a copy.
 Page 0 of each layer is the null page.
 
+Sliding-window layers (Gemma 3, Mistral): where the pool has a `window`, `prepare_step`
+adds to each group a second, windowed metadata (`WindowMeta`: each row's page table cut
+to the pages its queries' windows reach) and the model calls `attend_layer`, which reads a
+sliding layer through `attend_window` instead: pages outside the window are not read. The
+base class's `attend_window` is the dense reference over those few pages (a window's
+worth of keys per row, whatever the context); a backend may override it with its kernel.
+
 Registry: `pallas_kernels.BACKENDS` maps a name to its class; adding one (a TPU kernel,
 say) is a file with a subclass and a line there.
 """
@@ -22,7 +29,7 @@ say) is a file with a subclass and a line there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +87,15 @@ class PoolLayout:
     head_dim: int
     dtype: Any
     pages_per_seq: int  # page-table width the runner packs
+    window: int = 0  # the sliding layers' window in keys; 0: no sliding layers
+    window_queries: int = 1  # the most queries a row of a step has (the prefill block)
+
+    @property
+    def window_pages(self) -> int:
+        """Pages a windowed row's table holds: a window of keys before its first query,
+        its queries, and a page boundary on each side."""
+        return min(self.pages_per_seq, (self.window + self.window_queries - 2)
+                   // self.page_size + 2)
 
     @property
     def row(self) -> int:
@@ -109,6 +125,27 @@ class GroupLayout:
                    np.zeros(rows, np.int32))
 
 
+class WindowMeta(NamedTuple):
+    """A group's rows cut to their sliding windows (numpy; shapes fixed by the group's)."""
+
+    page_tables: np.ndarray  # [rows, window_pages] int32: from the first page a query sees
+    context_lens: np.ndarray  # [rows] int32: keys from that page's first on
+    query_lens: np.ndarray  # [rows] int32
+
+    @classmethod
+    def of(cls, group: "GroupLayout", pool: PoolLayout) -> "WindowMeta":
+        ps, width = pool.page_size, pool.window_pages
+        ctx, ql = group.context_lens, group.query_lens
+        lowest = np.maximum(ctx - ql - pool.window + 1, 0)  # the first query's first key
+        first = np.where(ql > 0, lowest // ps, 0)
+        idx = first[:, None] + np.arange(width)[None, :]
+        inside = idx < group.page_tables.shape[1]
+        tables = np.where(inside, np.take_along_axis(
+            group.page_tables, np.minimum(idx, group.page_tables.shape[1] - 1), axis=1), 0)
+        return cls(tables.astype(np.int32), (ctx - first * ps).astype(np.int32),
+                   ql.astype(np.int32))
+
+
 class AttentionBackend:
     """One attention implementation. Subclasses set `name` and override `attend`, and
     `prepare`/`metadata` when they need more than the generic layout."""
@@ -136,6 +173,15 @@ class AttentionBackend:
         a backend whose state must never go stale."""
         return self.metadata(groups[0]), self.metadata(groups[1])
 
+    def prepare_step(self, kv, groups: tuple[GroupLayout, GroupLayout], slots: np.ndarray,
+                     copies: list[tuple[int, int]]) -> tuple[Any, Any]:
+        """`prepare`, and where the pool has sliding layers each group's `WindowMeta`
+        beside its metadata: what the runner puts in the step."""
+        dec, pf = self.prepare(kv, groups, slots, copies)
+        if not self.pool.window:
+            return dec, pf
+        return (dec, WindowMeta.of(groups[0], self.pool)), (pf, WindowMeta.of(groups[1], self.pool))
+
     def warmup(self, kv) -> None:
         """Compile and run once whatever the backend runs outside the step."""
 
@@ -147,6 +193,27 @@ class AttentionBackend:
         """q [rows, queries, heads, head_dim] -> the same shape: layer `layer` (a traced
         int) of the pool, with `meta` from `prepare` and the backend's `state`."""
         raise NotImplementedError
+
+    def attend_layer(self, q, k_pool, v_pool, layer, meta, state, windowed=False):
+        """`attend` for a global layer, `attend_window` for a sliding one (`windowed`: a
+        Python bool in an unrolled layer loop, else traced: both are compiled, one runs)."""
+        if not self.pool.window:
+            return self.attend(q, k_pool, v_pool, layer, meta, state)
+        full, win = meta
+        if isinstance(windowed, bool):
+            return (self.attend_window(q, k_pool, v_pool, layer, win, state) if windowed
+                    else self.attend(q, k_pool, v_pool, layer, full, state))
+        return jax.lax.cond(
+            windowed, lambda q, k, v: self.attend_window(q, k, v, layer, win, state),
+            lambda q, k, v: self.attend(q, k, v, layer, full, state), q, k_pool, v_pool)
+
+    def attend_window(self, q, k_pool, v_pool, layer, meta: WindowMeta, state):
+        """A sliding layer: each query over the `window` keys ending at its own, read from
+        the row's windowed table only (the dense reference over those pages)."""
+        from .reference import paged_attention_dense
+
+        return paged_attention_dense(q, k_pool, v_pool, meta.page_tables + self.page_offset(layer),
+                                     meta.context_lens, meta.query_lens, window=self.pool.window)
 
     def page_offset(self, layer):
         """Pool row of `layer`'s page 0."""

@@ -221,6 +221,24 @@ class CpuBackend(AttentionBackend):
                 shared_pages_per_block=self.shared_pages_per_block, row_groups=groups)
         return jnp.zeros_like(out).at[meta.order].set(out)
 
+    def attend_window(self, q, k_pool, v_pool, layer, meta, state):
+        """Decode rows of a sliding layer through the native decode kernel, from the first
+        key of each row's window (the pages before it are not read); prefill blocks
+        through the base class's dense window."""
+        rows, queries, heads, d = q.shape
+        if not self.native or queries != 1:
+            return super().attend_window(q, k_pool, v_pool, layer, meta, state)
+        from cpu_kernels.native import decode_attention
+
+        kvh, f32 = self.pool.kv_heads, jnp.float32
+        qg = (q.astype(f32) * d ** -0.5).reshape(rows, kvh, heads // kvh, d)
+        ctx = jnp.where(meta.query_lens > 0, meta.context_lens, 0)
+        start = jnp.maximum(ctx - self.pool.window, 0)
+        m = jnp.full(qg.shape[:3], -1e30, f32)  # no prefix: the softmax starts empty
+        out = decode_attention(qg, k_pool, v_pool, self.page_offset(layer), meta.page_tables,
+                               start, ctx, m, jnp.zeros_like(m), jnp.zeros_like(qg))
+        return out.reshape(rows, 1, heads, d).astype(q.dtype)
+
     def _attend_native(self, q, k_pool, v_pool, layer, meta: CascadeMeta):
         """Decode rows: each shared prefix once for its rows (lanes), then each row's own
         pages (`decode_attention`); prefill blocks: each block's queries in lanes."""

@@ -1,5 +1,11 @@
 """GGUF (llama.cpp) files: dequantize every tensor to the engine's parameter tree.
 
+Architectures: `llama` (Llama 2/3, Mistral, SmolLM2), `qwen2` (q/k/v bias), `qwen3`
+(per-head q/k norms) and `gemma3` (sliding and global layers, q/k norms, sandwich norms,
+GeGLU, scaled embeddings: the options of model/config.py). Every quantized type gguf's
+`dequantize` knows (Q4_0..Q8_0, the K-quants Q2_K..Q6_K, ...) loads as f32 here; the
+runner then packs the CPU backend's own formats from that (`quantization`).
+
 Three things differ from the Hugging Face layout and are undone here:
 - numpy views of GGUF tensors are (out, in); the engine wants (in, out).
 - For `llama` the converter permuted the rows of q and k within each head so that
@@ -24,12 +30,14 @@ from ..progress import progress as _progress
 from .gguf_reader import open_reader
 from .gguf_tokenizer import tokenizer_from_gguf
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
 _LAYER_NAMES = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
     "wv": "attn_v.weight", "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
 }  # fmt: skip
 _MODEL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                 "lm_head": "output.weight"}
@@ -79,7 +87,11 @@ def config_from_gguf(reader, path: Path, tensor_names: set[str]) -> ModelConfig:
     if rot != head_dim:
         raise ModelLoadError(f"{path}: partial rotary ({rot} of {head_dim} dims) is not supported")
     scaling = field(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
+    rope_scaling = None
+    if scaling == "linear":  # Gemma 3 4B and up: positions / factor in the global layers
+        rope_scaling = {"rope_type": "linear",
+                        "factor": float(field(f"{arch}.rope.scaling.factor", 1.0))}
+    elif scaling not in ("none", None):
         raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = field(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
@@ -100,7 +112,23 @@ def config_from_gguf(reader, path: Path, tensor_names: set[str]) -> ModelConfig:
         max_position=int(field(f"{arch}.context_length", 4096)),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        rope_scaling=rope_scaling,
+        **(_gemma3(field, arch, int(hidden), int(heads), int(need("block_count")))
+           if arch == "gemma3" else {"family": arch}),
     )
+
+
+def _gemma3(field, arch: str, hidden: int, heads: int, layers: int) -> dict:
+    """Gemma 3's options, as llama.cpp runs it: the converter already added 1 to every
+    norm weight; every sixth layer is global, the others slide over the window with rope
+    base 10,000; the 27B (62 layers) scales queries by (hidden / heads) ** -0.5."""
+    window = int(field(f"{arch}.attention.sliding_window", 0) or 0)
+    return {"family": "gemma3", "sandwich_norms": True, "activation": "gelu_tanh",
+            "embed_scale": float(hidden) ** 0.5, "sliding_window": window,
+            "sliding_layers": tuple(i for i in range(layers) if (i + 1) % 6) if window else (),
+            "rope_local_theta": 10000.0,
+            "query_scale": (hidden / heads) ** -0.5 if layers == 62 else 0.0}
 
 
 def _config(path: Path, **fields) -> ModelConfig:
@@ -127,6 +155,9 @@ def load_gguf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedM
         rope_scaling = _llama3_rope_scaling(tensors, config, path)
         if rope_scaling is not None:
             config = replace(config, rope_scaling=rope_scaling)
+        if tokenizer is not None and config.family == "gemma3":
+            tokenizer = tokenizer.with_family_chat("gemma3")
+            config = _with_special_ids(config, tokenizer)
         p.update(task, total=1, completed=1)
 
         shapes = param_shapes(config)
@@ -184,5 +215,5 @@ def _llama3_rope_scaling(tensors: dict, config: ModelConfig, path: Path) -> dict
         raise ModelLoadError(
             f"{path}: tensor rope_freqs.weight holds a rope scaling this loader does not know"
         )
-    return {"factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
             "original_max_position_embeddings": old}  # fmt: skip

@@ -1,7 +1,10 @@
 """Hugging Face checkpoint directories: config.json + *.safetensors + tokenizer.json.
 
-Covers the Llama family as `transformers` writes it: LlamaForCausalLM (Llama 2/3,
-SmolLM2), MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias). Tensors are read with
+Covers the families as `transformers` writes them: LlamaForCausalLM (Llama 2/3,
+SmolLM2), MistralForCausalLM (its sliding window where set), Qwen2ForCausalLM (q/k/v
+bias), Qwen3ForCausalLM (per-head q/k norms) and Gemma3ForCausalLM (the text models:
+sliding and global layers, q/k and sandwich norms, GeGLU; its norms store w - 1, so 1 is
+added here to each, as llama.cpp's converter does). Tensors are read with
 safetensors' numpy API, one at a time and straight into the target dtype (bf16
 checkpoints come back as ml_dtypes.bfloat16, which numpy converts), so peak memory is the
 result plus one tensor. q/k are already in the half-split rope layout here; only the
@@ -22,7 +25,11 @@ from ..config import ModelConfig
 from ..progress import progress as _progress
 from ..tokenizer import Tokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+           "Gemma3ForCausalLM": "gemma3"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
     "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
@@ -30,14 +37,22 @@ _LAYER_NAMES = {
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight", "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }  # fmt: skip
+# Gemma's four norms a layer: its post_attention_layernorm is the attention output's.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
 _MODEL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                 "lm_head": "lm_head.weight"}
 
 
-def hf_name(param: str) -> str:
+def hf_name(param: str, family: str = "llama") -> str:
     """Our flat parameter name -> the transformers state-dict key."""
-    return tensor_name(param, "model.layers.{n}.", _LAYER_NAMES, _MODEL_NAMES)
+    names = _GEMMA_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
+    return tensor_name(param, "model.layers.{n}.", names, _MODEL_NAMES)
 
 
 def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
@@ -54,11 +69,18 @@ def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     max_position = int(cfg.get("max_position_embeddings", 4096))
-    window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
-        # Mistral v0.1 attends over a 4096-token window. The engine has no windowed
-        # attention, but below the window both are the same model: cap the context there.
-        max_position = min(max_position, int(window))
+    family = _FAMILY[arch]
+    window = cfg.get("sliding_window") or 0
+    options: dict = {"family": family}
+    if family == "gemma3":
+        options = _gemma3(cfg, file)
+    elif window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        # Mistral v0.1 attends over a 4096-token window in every layer; Qwen2's
+        # `max_window_layers` bottom layers slide where `use_sliding_window` is set.
+        layers = cfg["num_hidden_layers"]
+        first_full = int(cfg.get("max_window_layers", layers)) if family == "qwen2" else layers
+        options |= {"sliding_window": int(window),
+                    "sliding_layers": tuple(range(min(first_full, layers)))}
     return ModelConfig(
         name=cfg.get("_name_or_path") or file.parent.name,
         vocab_size=cfg["vocab_size"],
@@ -71,12 +93,35 @@ def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=max_position,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         rope_scaling=_rope_scaling(cfg.get("rope_scaling"), file),
+        qk_norm=family in ("qwen3", "gemma3"),
+        **options,
     )
+
+
+def _gemma3(cfg: dict, file: Path) -> dict:
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(cap):
+            raise ModelLoadError(f"{file}: {cap} is not supported (Gemma 3 sets none)")
+    layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
+        else "sliding_attention" for i in range(layers)]
+    window = int(cfg.get("sliding_window") or 0)
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ModelLoadError(f"{file}: hidden_activation {act!r} is not supported")
+    return {"family": "gemma3", "sandwich_norms": True, "activation": "gelu_tanh",
+            "embed_scale": float(cfg["hidden_size"]) ** 0.5,
+            "query_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "sliding_window": window,
+            "sliding_layers": tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+            if window else (),
+            "rope_local_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
 
 
 def _rope_scaling(rs: dict | None, file: Path) -> dict | None:
@@ -85,13 +130,16 @@ def _rope_scaling(rs: dict | None, file: Path) -> dict | None:
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
+    if kind == "linear":  # Gemma 3 4B and up
+        return {"rope_type": "linear", "factor": float(rs["factor"])}
     if kind != "llama3":
-        raise ModelLoadError(f"{file}: rope_scaling type {kind!r} is not supported (llama3 is)")
+        raise ModelLoadError(f"{file}: rope_scaling type {kind!r} is not supported "
+                             "(llama3 and linear are)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in rs]
     if missing:
         raise ModelLoadError(f"{file}: rope_scaling lacks {', '.join(missing)}")
-    return {k: rs[k] for k in keys}
+    return {"rope_type": "llama3"} | {k: rs[k] for k in keys}
 
 
 def _index_tensors(path: Path) -> dict[str, Path]:
@@ -156,6 +204,8 @@ def load_hf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedMod
         eos = set(config.eos_token_ids) | tokenizer.eos_token_ids
         bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
         config = replace(config, bos_token_id=bos, eos_token_ids=tuple(sorted(eos)))
+    if tokenizer is not None:
+        tokenizer = tokenizer.with_family_chat(config.family)
     where = _index_tensors(path)
     shapes = param_shapes(config)
     flat = {}
@@ -163,7 +213,7 @@ def load_hf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedMod
     with _progress(progress) as p:
         task = p.add_task(f"read {path.name}", total=len(shapes))
         for name, shape in shapes.items():
-            tname = hf_name(name)
+            tname = hf_name(name, config.family)
             f = where.get(tname)
             if f is None:
                 raise ModelLoadError(f"{path}: tensor {tname} is missing (needed for {name})")
@@ -179,6 +229,8 @@ def load_hf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedMod
             check_shape(w, shape[::-1] if transpose else shape, f, tname)
             if transpose:
                 w = w.T
+            if config.family == "gemma3" and name.endswith("norm"):
+                w = np.asarray(w, np.float32) + 1.0  # Gemma's (1 + w) norms, as ours multiply
             flat[name] = np.ascontiguousarray(w, dtype=dt)
             p.advance(task)
     return LoadedModel(config, unflatten(flat, config), tokenizer, str(path))

@@ -22,12 +22,17 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def inv_frequencies(config) -> np.ndarray:
-    """Rotary frequencies, with Llama 3 long-context scaling when the config asks for it."""
+def inv_frequencies(config, local: bool = False) -> np.ndarray:
+    """Rotary frequencies, with Llama 3 long-context scaling when the config asks for it
+    (`local`: a sliding layer's, Gemma 3's own base and no scaling)."""
     d = config.head_dim
-    inv = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    rs = config.rope_scaling
-    if rs:  # transformers' _compute_llama3_parameters
+    own = local and config.rope_local_theta
+    theta = config.rope_local_theta if own else config.rope_theta
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    rs = None if own else config.rope_scaling
+    if rs and rs.get("rope_type") == "linear":  # positions / factor
+        inv = inv / rs["factor"]
+    elif rs:  # transformers' _compute_llama3_parameters
         factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
         wavelen = 2 * np.pi / inv
@@ -61,27 +66,44 @@ def forward(params: dict, config, token_ids, *, rope_style: str = "half",
     nh, nkv = config.num_heads, config.num_kv_heads
     cast = lambda a: np.asarray(a, dtype)  # noqa: E731
     pos = np.arange(t)
-    inv = inv_frequencies(config)
-    mask = np.triu(np.full((t, t), -np.inf, dtype), k=1)
-    x = cast(params["embed"])[ids]
-    for lp in params["layers"]:
-        h = rms_norm(x, cast(lp["attn_norm"]), config.rms_norm_eps)
+    eps = config.rms_norm_eps
+    causal = np.triu(np.full((t, t), -np.inf, dtype), k=1)
+    # A sliding layer's query i sees keys (i - window, i] (Gemma 3, Mistral).
+    window = getattr(config, "sliding_window", 0)
+    banded = causal + np.tril(np.full((t, t), -np.inf, dtype), k=-window) if window else causal
+    sliding = getattr(config, "windowed", (False,) * len(params["layers"]))
+    scale = getattr(config, "query_scale", 0.0) or hd ** -0.5
+    x = cast(params["embed"])[ids] * dtype(getattr(config, "embed_scale", 1.0))
+    for n, lp in enumerate(params["layers"]):
+        inv = inv_frequencies(config, local=sliding[n])
+        mask = banded if sliding[n] else causal
+        h = rms_norm(x, cast(lp["attn_norm"]), eps)
         q, k, v = h @ cast(lp["wq"]), h @ cast(lp["wk"]), h @ cast(lp["wv"])
         if config.qkv_bias:
             q, k, v = q + cast(lp["bq"]), k + cast(lp["bk"]), v + cast(lp["bv"])
-        q = rope(q.reshape(t, nh, hd), pos, inv, rope_style)
-        k = rope(k.reshape(t, nkv, hd), pos, inv, rope_style)
-        v = v.reshape(t, nkv, hd)
+        q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+        if "q_norm" in lp:  # per-head norms before rope (Qwen3, Gemma 3)
+            q, k = rms_norm(q, cast(lp["q_norm"]), eps), rms_norm(k, cast(lp["k_norm"]), eps)
+        q, k = rope(q, pos, inv, rope_style), rope(k, pos, inv, rope_style)
         group = nh // nkv  # query head j reads kv head j // group
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
+        scores = np.einsum("qhd,khd->hqk", q, k) * scale + mask
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         probs = scores / scores.sum(-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(t, nh * hd)
-        x = x + attn @ cast(lp["wo"])
-        h = rms_norm(x, cast(lp["mlp_norm"]), config.rms_norm_eps)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(t, nh * hd) @ cast(lp["wo"])
+        if "post_attn_norm" in lp:  # Gemma's sandwich norms
+            attn = rms_norm(attn, cast(lp["post_attn_norm"]), eps)
+        x = x + attn
+        h = rms_norm(x, cast(lp["mlp_norm"]), eps)
         gate = h @ cast(lp["w_gate"])
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ cast(lp["w_up"]))) @ cast(lp["w_down"])
+        if getattr(config, "activation", "silu") == "gelu_tanh":
+            act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
+        else:
+            act = gate / (1 + np.exp(-gate))
+        out = (act * (h @ cast(lp["w_up"]))) @ cast(lp["w_down"])
+        if "post_mlp_norm" in lp:
+            out = rms_norm(out, cast(lp["post_mlp_norm"]), eps)
+        x = x + out
     if last_only:
         x = x[-1:]
     x = rms_norm(x, cast(params["final_norm"]), config.rms_norm_eps)

@@ -53,20 +53,32 @@ HF_KEYS = {
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight", "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }  # fmt: skip
+# Gemma 3 (transformers' Gemma3DecoderLayer): four norms a layer, each stored as w - 1.
+GEMMA_HF_KEYS = HF_KEYS | {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
 
 
-def hf_state_dict(params: dict) -> dict[str, np.ndarray]:
-    sd = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
+def hf_state_dict(params: dict, family: str = "llama") -> dict[str, np.ndarray]:
+    gemma = family == "gemma3"
+    shift = (lambda k, v: v - 1 if k.endswith("norm") else v) if gemma else (lambda k, v: v)
+    keys = GEMMA_HF_KEYS if gemma else HF_KEYS
+    sd = {"model.embed_tokens.weight": params["embed"],
+          "model.norm.weight": shift("norm", params["final_norm"])}
     if "lm_head" in params:
         sd["lm_head.weight"] = params["lm_head"].T
     for n, layer in enumerate(params["layers"]):
         for k, v in layer.items():
-            sd[f"model.layers.{n}.{HF_KEYS[k]}"] = v.T if v.ndim == 2 else v
+            sd[f"model.layers.{n}.{keys[k]}"] = shift(k, v.T if v.ndim == 2 else v)
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
-def write_hf(path, config, params, arch="LlamaForCausalLM", shards=1, dtype=np.float32, **extra):
+def write_hf(path, config, params, arch="LlamaForCausalLM", shards=1, dtype=np.float32,
+             family="llama", **extra):
     path.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": [arch], "vocab_size": config.vocab_size,
@@ -77,7 +89,7 @@ def write_hf(path, config, params, arch="LlamaForCausalLM", shards=1, dtype=np.f
         "tie_word_embeddings": config.tie_embeddings, "bos_token_id": 1, "eos_token_id": 2,
     } | extra  # fmt: skip
     (path / "config.json").write_text(json.dumps(cfg))
-    sd = {k: v.astype(dtype) for k, v in hf_state_dict(params).items()}
+    sd = {k: v.astype(dtype) for k, v in hf_state_dict(params, family).items()}
     names, weight_map = list(sd), {}
     for s in range(shards):
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
@@ -111,12 +123,15 @@ def test_hf_directory(tmp_path, case, config, arch, shards):
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo")) == "héllo"
 
 
-def test_hf_mistral_sliding_window_caps_the_context(tmp_path):
+def test_hf_mistral_sliding_window_is_every_layers_window(tmp_path):
     params = init_random_params(TINY, seed=2)
     d = write_hf(tmp_path / "m", TINY, params, "MistralForCausalLM", sliding_window=1024)
-    assert load_model(str(d), progress=False).config.max_position == 1024
+    cfg = load_model(str(d), progress=False).config
+    assert cfg.max_position == TINY.max_position and cfg.sliding_window == 1024
+    assert cfg.windowed == (True,) * TINY.num_layers and cfg.family == "mistral"
     d = write_hf(tmp_path / "q", TINY, params, "LlamaForCausalLM", sliding_window=None)
-    assert load_model(str(d), progress=False).config.max_position == TINY.max_position
+    cfg = load_model(str(d), progress=False).config
+    assert cfg.max_position == TINY.max_position and not any(cfg.windowed)
 
 
 def test_hf_bf16_and_llama3_rope_scaling(tmp_path):
@@ -127,7 +142,13 @@ def test_hf_bf16_and_llama3_rope_scaling(tmp_path):
     loaded = load_model(str(path), progress=False)
     want = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in flatten(params)}
     assert_same_params(loaded.params, _unflat(want, TINY), rtol=0, atol=0)
-    assert loaded.config.rope_scaling == {k: v for k, v in rs.items() if k != "rope_type"}
+    assert loaded.config.rope_scaling == rs
+    # ... and the engine applies it (once it did not: the dict lacked its type).
+    from dataclasses import replace
+
+    from model.llama import rope_inv_freq
+    assert not np.allclose(rope_inv_freq(loaded.config),
+                           rope_inv_freq(replace(loaded.config, rope_scaling=None)))
     bf = load_model(str(path), progress=False, dtype="bfloat16")
     assert bf.params["layers"][0]["wq"].dtype == ml_dtypes.bfloat16
 
@@ -154,6 +175,8 @@ GGUF_KEYS = {
     "wv": "attn_v.weight", "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
 }  # fmt: skip
 
 
@@ -161,15 +184,13 @@ def write_gguf(path, config, params, arch="llama", qtypes=None, drop=(), reshape
                tokenizer=True, extra=None):  # fmt: skip
     """A GGUF as llama.cpp's converter writes it; `qtypes` maps tensor name -> GGML type."""
     qtypes, reshape = qtypes or {}, reshape or {}
-    sd = hf_state_dict(params)
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"],
-               "output_norm.weight": sd["model.norm.weight"], **(extra or {})}  # fmt: skip
-    if "lm_head.weight" in sd:
-        tensors["output.weight"] = sd["lm_head.weight"]
-    for n in range(config.num_layers):
-        for k, hf in HF_KEYS.items():
-            if (w := sd.get(f"model.layers.{n}.{hf}")) is None:
-                continue
+    tensors = {"token_embd.weight": params["embed"],
+               "output_norm.weight": params["final_norm"], **(extra or {})}  # fmt: skip
+    if "lm_head" in params:
+        tensors["output.weight"] = params["lm_head"].T
+    for n, layer in enumerate(params["layers"]):
+        for k, w in layer.items():  # (out, in) as the converter writes them
+            w = np.ascontiguousarray(w.T) if w.ndim == 2 else w
             if arch == "llama" and k in ("wq", "bq"):
                 w = llama_cpp_permute(w, config.num_heads, config.num_heads)
             if arch == "llama" and k in ("wk", "bk"):
@@ -185,6 +206,10 @@ def write_gguf(path, config, params, arch="llama", qtypes=None, drop=(), reshape
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_dimension_count(config.head_dim)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    if config.sliding_window:
+        w.add_sliding_window(config.sliding_window)
     if tokenizer:
         byte = Tokenizer.byte_level(config.vocab_size)
         w.add_tokenizer_model("gpt2")
@@ -254,7 +279,8 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     freqs = {"rope_freqs.weight": llama_cpp_rope_freqs(config, factor=32.0)}
     p = write_gguf(tmp_path / "r.gguf", config, params, extra=freqs)
     loaded = load_model(str(p), progress=False)
-    assert loaded.config.rope_scaling == {"factor": 32.0, "low_freq_factor": 1.0,
+    assert loaded.config.rope_scaling == {"rope_type": "llama3", "factor": 32.0,
+                                          "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
     freqs = {"rope_freqs.weight": llama_cpp_rope_freqs(config, factor=8.0, high=2.0)}
     p = write_gguf(tmp_path / "odd.gguf", config, params, extra=freqs)

@@ -1,0 +1,115 @@
+"""The model families on random weights of their real configs: Llama 3.1 (llama3 rope
+scaling), Qwen2.5 (q/k/v bias), Qwen3 (q/k norms), Mistral v0.1 (every layer slides) and
+Gemma 3 (five sliding layers to one global, q/k and sandwich norms, GeGLU, scaled
+embeddings, two rope bases, linear rope scaling).
+
+Each config is scaled down to fit a 2-core CI machine (`shrunk`: widths and heads by a
+factor, head_dim, the head ratio and every family option kept; vocab 512; two layers, or
+six for Gemma 3 to hold a global layer; the window 24 keys so a 45-token prompt crosses
+it). Against the independent numpy forward (tests/model/numpy_llama.py): one prefill in
+chunks, decode steps, and the same sequence batched beside another equal to it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from model.presets import PRESETS
+from model.runner import ModelRunner
+from model.weights import init_random_params
+from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
+from tests.model import numpy_llama
+
+FAMILIES = {"llama3.1-8b": 8, "qwen2.5-7b": 4, "qwen3-8b": 8, "mistral-7b-v0.1": 8,
+            "gemma3-4b": 4}
+WINDOW = 24
+
+
+def shrunk(cfg: ModelConfig, factor: int) -> ModelConfig:
+    """The config with its widths divided by `factor` and everything else kept."""
+    kv = max(1, cfg.num_kv_heads // factor)
+    layers = 6 if cfg.sliding_layers else 2
+    return dataclasses.replace(
+        cfg, name=cfg.name + "-shrunk", vocab_size=512, num_layers=layers,
+        num_kv_heads=kv, num_heads=kv * cfg.q_per_kv,
+        hidden_size=cfg.hidden_size // factor, intermediate_size=cfg.intermediate_size // factor,
+        max_position=512, sliding_window=WINDOW if cfg.sliding_window else 0,
+        sliding_layers=tuple(i for i in cfg.sliding_layers if i < layers),
+        embed_scale=(cfg.hidden_size // factor) ** 0.5 if cfg.embed_scale != 1 else 1.0,
+        bos_token_id=None, eos_token_ids=(1,))
+
+
+def chunk(seq, toks, start, pages, sample=True):
+    return SeqChunk(seq_id=seq, token_ids=list(toks), start_pos=start, page_table=pages,
+                    sample=sample, sampling=SamplingParams(temperature=0.0))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    cfg = shrunk(PRESETS[request.param], FAMILIES[request.param])
+    params = init_random_params(cfg, seed=7)
+    runner = ModelRunner(cfg, params, page_size=8, num_pages=48, max_context=256,
+                         decode_buckets=(2,), prefill_buckets=(32,),
+                         mixed_decode_buckets=(2,), block_q=8, max_prefill_seqs=2)
+    runner.warmup()
+    return cfg, params, runner
+
+
+def test_each_family_keeps_its_options_when_shrunk():
+    for name, factor in FAMILIES.items():
+        real, small = PRESETS[name], shrunk(PRESETS[name], factor)
+        assert small.head_dim == real.head_dim and small.q_per_kv == real.q_per_kv
+        for option in ("family", "qkv_bias", "qk_norm", "sandwich_norms", "activation",
+                       "rope_theta", "rope_local_theta", "rope_scaling", "query_scale",
+                       "tie_embeddings"):
+            assert getattr(small, option) == getattr(real, option), (name, option)
+        assert bool(small.sliding_window) == bool(real.sliding_window)
+    gemma = shrunk(PRESETS["gemma3-4b"], 4)
+    assert gemma.windowed == (True,) * 5 + (False,)
+
+
+def test_prefill_and_decode_match_the_numpy_forward(family):
+    """A 45-token prompt (past the window) in two chunks, then four decode steps: each
+    step's logits within 1e-3 of the numpy forward over the whole sequence."""
+    cfg, params, runner = family
+    toks = np.random.default_rng(1).integers(3, cfg.vocab_size, 45).tolist()
+    pages = [5, 17, 2, 30, 11, 8, 40, 23]
+    runner.step(StepPlan([chunk(0, toks[:32], 0, pages, sample=False)]))
+    res = runner.step(StepPlan([chunk(0, toks[32:], 32, pages)]), return_logits=True)
+    ids = list(toks)
+    for step in range(5):
+        want = numpy_llama.forward(params, cfg, ids, last_only=True)[-1]
+        np.testing.assert_allclose(res.logits[0], want, atol=1e-3, err_msg=f"step {step}")
+        if step == 4:
+            break
+        ids.append(res.sampled[0].token_id)
+        res = runner.step(StepPlan([chunk(0, ids[-1:], len(ids) - 1, pages)]),
+                          return_logits=True)
+
+
+def test_batched_equals_alone(family):
+    """Two sequences decoding in one step, one of them past the window, and a prompt
+    prefilled beside a decode row: each gets the logits and tokens it gets alone."""
+    cfg, params, runner = family
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(3, cfg.vocab_size, 40).tolist(), rng.integers(3, cfg.vocab_size, 9)
+    pa, pb, pc = [3, 9, 14, 20, 26, 33, 38], [4, 10], [6, 12, 15, 21, 27, 34, 39]
+    runner.step(StepPlan([chunk(0, a[:32], 0, pa, sample=False)]))
+    alone_a = runner.step(StepPlan([chunk(0, a[32:], 32, pa)]), return_logits=True)
+    alone_b = runner.step(StepPlan([chunk(1, b, 0, pb)]), return_logits=True)
+    # The same prompt on other pages beside the first sequence's decode row.
+    runner.step(StepPlan([chunk(2, a[:32], 0, pc, sample=False)]))
+    t = alone_a.sampled[0].token_id
+    both = runner.step(StepPlan([chunk(0, [t], 40, pa), chunk(2, a[32:], 32, pc)]),
+                       return_logits=True)
+    np.testing.assert_allclose(both.logits[2], alone_a.logits[0], atol=1e-4)
+    assert both.sampled[2].token_id == t
+    dec_a = runner.step(StepPlan([chunk(2, [t], 40, pc), chunk(1, [alone_b.sampled[1].token_id],
+                                                                9, pb)]), return_logits=True)
+    np.testing.assert_allclose(dec_a.logits[2], both.logits[0], atol=1e-4)
+    lone_b = runner.step(StepPlan([chunk(3, b, 0, [7, 13])]), return_logits=True)
+    np.testing.assert_allclose(lone_b.logits[3], alone_b.logits[1], atol=1e-4)
