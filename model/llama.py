@@ -129,7 +129,11 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
             else:
                 layers[group][name] = put(name, host)
             del host
-    out = {"embed": put("embed", np.asarray(params["embed"], dtype)),
+    # With quantized weights the lm_head is its own int8 matrix and the embedding table
+    # serves the lookup only: bf16 there (half of f32's bytes: Gemma 3's 262,144 x 640
+    # table is 671 MB in f32; a row's rounding, 2^-9 of each value, is below int8's).
+    embed_dtype = jnp.bfloat16 if quantize and np.dtype(dtype) == np.float32 else dtype
+    out = {"embed": put("embed", np.asarray(params["embed"], embed_dtype)),
            "final_norm": put("final_norm", np.asarray(params["final_norm"], dtype)),
            "layers": layers}
     if quantize:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
@@ -256,7 +260,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
     # projections without bias and the MLP keep a zero row at zero), so a kernel may skip
     # them: the CPU's native int8 kernel multiplies only rows that are not all zero.
     real = (b.slots != 0)[:, None]
-    x = jnp.where(real, params["embed"][b.tokens], 0)  # [T, hidden]
+    dtype = params["final_norm"].dtype  # the model's (the table may be narrower)
+    x = jnp.where(real, params["embed"][b.tokens].astype(dtype), 0)  # [T, hidden]
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     if fm:
