@@ -19,8 +19,9 @@ load() {  # model, output file
 }
 for m in smollm2-135m-instruct gemma-3-270m; do load "$m" "$OUT/$m-alone.json"; done
 load smollm2-135m-instruct "$OUT/smollm2-135m-instruct-together.json" &
+OTHER=$!
 load gemma-3-270m "$OUT/gemma-3-270m-together.json"
-wait
+wait "$OTHER"  # (a bare `wait` would wait for the server too)
 ps -o rss= -p "$PID" | awk '{print $1 * 1024}' > "$OUT/rss-bytes"
 for f in "$OUT"/*-alone.json "$OUT"/*-together.json; do
   printf '{"run": "%s", "result": %s}\n' "$(basename "$f" .json)" "$(cat "$f")"

@@ -95,6 +95,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=1, head_dim=16, rope_theta=1000000.0, max_position=2048,
         tie_embeddings=True, qkv_bias=True, bos_token_id=1, eos_token_ids=(2, 0),
     ),
+    "tiny-gemma3": ModelConfig(  # Gemma 3's options: 3 sliding layers of 16 keys, 1 global
+        name="tiny-gemma3", family="gemma3", vocab_size=272, hidden_size=64,
+        intermediate_size=128, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
+        rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
+        max_position=2048, tie_embeddings=True, qk_norm=True, sandwich_norms=True,
+        activation="gelu_tanh", embed_scale=8.0, sliding_window=16,
+        sliding_layers=(0, 1, 2), bos_token_id=1, eos_token_ids=(2, 0),
+    ),
 }  # fmt: skip
 
 
