@@ -22,8 +22,8 @@ head_dim]`, carried through the layers and written in place (the caller donates 
 layer l's pages start at row `l * pages`, so attention reads a layer through a page
 offset, never a copy.
 
-(About 355 lines: the forward pass and `prepare_params`, which lays out the weights it
-reads, change together.)
+(About 410 lines: the forward pass, every family's options in it, and `prepare_params`,
+which lays out the weights it reads, change together.)
 """
 
 from __future__ import annotations

@@ -9,6 +9,20 @@ from __future__ import annotations
 
 from .config import ModelConfig
 
+def _gemma3(name: str, *, vocab: int, hidden: int, inter: int, layers: int, heads: int,
+            kv: int, window: int, **kw) -> ModelConfig:
+    """A Gemma 3 text model: head_dim 256, five sliding layers to one global, its norms,
+    GeGLU and scaled embeddings (the text model of gemma-3-4b-it and up; 270m and 1b)."""
+    return ModelConfig(
+        name=name, family="gemma3", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
+        tie_embeddings=True, qk_norm=True, sandwich_norms=True, activation="gelu_tanh",
+        embed_scale=hidden ** 0.5, query_scale=256 ** -0.5, sliding_window=window,
+        sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6), bos_token_id=2,
+        eos_token_ids=(1, 106), **kw)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -65,25 +79,11 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=10000.0, rms_norm_eps=1e-5, max_position=32768, sliding_window=4096,
         bos_token_id=1, eos_token_ids=(2,),
     ),
-    "gemma3-4b": ModelConfig(  # the text model of gemma-3-4b-it
-        name="gemma3-4b", family="gemma3", vocab_size=262208, hidden_size=2560,
-        intermediate_size=10240, num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256,
-        rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
-        max_position=131072, tie_embeddings=True, qk_norm=True, sandwich_norms=True,
-        activation="gelu_tanh", embed_scale=2560 ** 0.5, query_scale=256 ** -0.5,
-        sliding_window=1024, sliding_layers=tuple(i for i in range(34) if (i + 1) % 6),
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, bos_token_id=2,
-        eos_token_ids=(1, 106),
-    ),
-    "gemma3-270m": ModelConfig(
-        name="gemma3-270m", family="gemma3", vocab_size=262144, hidden_size=640,
-        intermediate_size=2048, num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
-        rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
-        max_position=32768, tie_embeddings=True, qk_norm=True, sandwich_norms=True,
-        activation="gelu_tanh", embed_scale=640 ** 0.5, query_scale=256 ** -0.5,
-        sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
-        bos_token_id=2, eos_token_ids=(1, 106),
-    ),
+    "gemma3-4b": _gemma3("gemma3-4b", vocab=262208, hidden=2560, inter=10240, layers=34,
+                         heads=8, kv=4, window=1024, max_position=131072,
+                         rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma3-270m": _gemma3("gemma3-270m", vocab=262144, hidden=640, inter=2048, layers=18,
+                           heads=4, kv=1, window=512, max_position=32768),
     # Test models. Vocab 272 = the byte-level tokenizer's 259 ids + reserved specials.
     "tiny": ModelConfig(
         name="tiny", vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -11,7 +11,7 @@ byte-level tokens (an emoji is often 2-4 tokens), so no stream ever shows U+FFFD
 text the model wrote correctly. `decode()` uses the same table so that the stream and
 the full decode always agree.
 
-(About 390 lines: encoding, the chat template and the byte-level decoder share the token
+(About 420 lines: encoding, the chat template and the byte-level decoder share the token
 table and are tested as one; split, each part would import the others.)
 """
 

@@ -16,7 +16,7 @@ the model or the runner (docs/architecture.md, "Attention backends"):
 
 Where the native kernels build (`native`), attention is theirs instead and only the
 prefix metadata above is used: each shared prefix read once for its decode rows, then
-each row's own pages, and prefill blocks whole (`_attend_native`). (About 405 lines: the
+each row's own pages, and prefill blocks whole (`_attend_native`). (About 425 lines: the
 metadata, the copy and both ways of attending share one plan and stay together.)
 """
 

@@ -87,10 +87,12 @@ def forward(params: dict, config, token_ids, *, rope_style: str = "half",
         q, k = rope(q, pos, inv, rope_style), rope(k, pos, inv, rope_style)
         group = nh // nkv  # query head j reads kv head j // group
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) * scale + mask
+        # Plain matmuls per head (np.einsum here ran without BLAS: 16 s at 700 tokens).
+        scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0) * scale + mask  # [h, q, k]
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         probs = scores / scores.sum(-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(t, nh * hd) @ cast(lp["wo"])
+        attn = (probs @ v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(t, nh * hd)
+        attn = attn @ cast(lp["wo"])
         if "post_attn_norm" in lp:  # Gemma's sandwich norms
             attn = rms_norm(attn, cast(lp["post_attn_norm"]), eps)
         x = x + attn

@@ -300,3 +300,52 @@ def test_prefix_copy_slots_serve_several_prefixes_without_taking_turns():
     # its later blocks that share it): only the pages before them are copied.
     copy = PrefixCopy(pool, 16, block_tokens=8, slots=2)
     assert copy.update(kv, c[2:3], [c]) == [(0, 8)] and list(copy.held[0]) == list(c[:2])
+
+
+def _windowed_by_hand(c: Case, window: int) -> np.ndarray:
+    """Each query over the keys (its position - window, its position], gathered from its
+    row's pages one by one: numpy, no code shared with the backends."""
+    rows, nq, heads, d = c.q.shape
+    group = heads // c.pool.kv_heads
+    out = np.zeros_like(c.q)
+    for r in range(rows):
+        ctx, ql = int(c.group.context_lens[r]), int(c.group.query_lens[r])
+        for i in range(ql):
+            pos = ctx - ql + i
+            keys = range(max(0, pos - window + 1), pos + 1)
+            rows_at = [(c.layer * PAGES + c.group.page_tables[r, t // c.pool.page_size],
+                        t % c.pool.page_size) for t in keys]
+            k = np.stack([c.k[p, o] for p, o in rows_at])  # [n, kv_heads, d]
+            v = np.stack([c.v[p, o] for p, o in rows_at])
+            for h in range(heads):
+                s = k[:, h // group] @ c.q[r, i, h] / np.sqrt(d)
+                w = np.exp(s - s.max())
+                out[r, i, h] = (w / w.sum()) @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("name, options", [("cpu", {}), ("cpu", {"native": False}),
+                                           ("dense", {}), ("pallas_interpret", {})])
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(c=cases(head_dims=(16,)), window=st.sampled_from([3, 9]))
+def test_a_sliding_layer_sees_its_window_only(name, options, c, window):
+    """`attend_layer` on a sliding layer reads each row through its windowed table
+    (`WindowMeta`: no page before the window) and equals attention over the window's
+    keys by hand; on a global layer it is `attend`, the whole causal context."""
+    pool = dataclasses.replace(c.pool, window=window, window_queries=c.q.shape[1])
+    backend = make_backend(name, pool, **options)
+    empty = GroupLayout.empty(0, WIDTH)
+    decode = c.q.shape[1] == 1
+    groups = (c.group, empty) if decode else (empty, c.group)
+    metas = backend.prepare_step((jnp.asarray(c.k), jnp.asarray(c.v)), groups,
+                                 np.zeros(1, np.int32), [])
+    meta = metas[0] if decode else metas[1]
+    win = meta[1]
+    assert win.page_tables.shape[1] == pool.window_pages < WIDTH or pool.window_pages == WIDTH
+    args = (jnp.asarray(c.q), jnp.asarray(c.k), jnp.asarray(c.v), jnp.int32(c.layer), meta,
+            backend.state)
+    sliding = np.asarray(backend.attend_layer(*args, jnp.bool_(True)))
+    np.testing.assert_allclose(sliding, _windowed_by_hand(c, window), atol=1e-5, rtol=1e-5)
+    whole = np.asarray(backend.attend_layer(*args, False))
+    np.testing.assert_allclose(whole, reference(c), atol=ATOL, rtol=RTOL)
