@@ -2,9 +2,11 @@
 
 Covers the families as `transformers` writes them: LlamaForCausalLM (Llama 2/3,
 SmolLM2), MistralForCausalLM (its sliding window where set), Qwen2ForCausalLM (q/k/v
-bias), Qwen3ForCausalLM (per-head q/k norms) and Gemma3ForCausalLM (the text models:
-sliding and global layers, q/k and sandwich norms, GeGLU; its norms store w - 1, so 1 is
-added here to each, as llama.cpp's converter does). Tensors are read with
+bias), Qwen3ForCausalLM (per-head q/k norms) and Gemma 3: Gemma3ForCausalLM (270M, 1B)
+and the text model of Gemma3ForConditionalGeneration (4B and up: `text_config`, its
+tensors under `language_model.model.` or `model.language_model.`, the vision tower left
+unread); sliding and global layers, q/k and sandwich norms, GeGLU; its norms store w - 1,
+so 1 is added here to each, as llama.cpp's converter does. Tensors are read with
 safetensors' numpy API, one at a time and straight into the target dtype (bf16
 checkpoints come back as ml_dtypes.bfloat16, which numpy converts), so peak memory is the
 result plus one tensor. q/k are already in the half-split rope layout here; only the
@@ -26,10 +28,21 @@ from ..progress import progress as _progress
 from ..tokenizer import Tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+                 "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
+# transformers' Gemma3TextConfig defaults: a multimodal checkpoint's text_config omits them.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 10000.0,
+    "max_position_embeddings": 131072, "tie_word_embeddings": True,
+}
+# Where a checkpoint keeps its decoder: causal LMs under "model.", Gemma 3's multimodal
+# checkpoints under either of these (older and newer transformers).
+_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 _FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-           "Gemma3ForCausalLM": "gemma3"}
+           "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
     "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
@@ -49,14 +62,20 @@ _MODEL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.
                 "lm_head": "lm_head.weight"}
 
 
-def hf_name(param: str, family: str = "llama") -> str:
-    """Our flat parameter name -> the transformers state-dict key."""
+def hf_name(param: str, family: str = "llama", prefix: str = "model.") -> str:
+    """Our flat parameter name -> the transformers state-dict key (`prefix`: where the
+    checkpoint keeps its decoder)."""
     names = _GEMMA_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
-    return tensor_name(param, "model.layers.{n}.", names, _MODEL_NAMES)
+    name = tensor_name(param, "model.layers.{n}.", names, _MODEL_NAMES)
+    return prefix + name[len("model."):] if name.startswith("model.") else name
 
 
 def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
     arch = (cfg.get("architectures") or ["?"])[0]
+    if arch == "Gemma3ForConditionalGeneration":  # its text model, with the ids outside
+        ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+        cfg = {**_GEMMA3_TEXT_DEFAULTS, **ids, **(cfg.get("text_config") or {}),
+               "architectures": [arch], "_name_or_path": cfg.get("_name_or_path")}
     if arch not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
         raise ModelLoadError(f"{file}: architecture {arch!r} is not supported (supported: {known})")
@@ -207,13 +226,14 @@ def load_hf(path: str | Path, progress: bool = True, *, dtype=None) -> LoadedMod
     if tokenizer is not None:
         tokenizer = tokenizer.with_family_chat(config.family)
     where = _index_tensors(path)
+    prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in where), "model.")
     shapes = param_shapes(config)
     flat = {}
     handles = {}
     with _progress(progress) as p:
         task = p.add_task(f"read {path.name}", total=len(shapes))
         for name, shape in shapes.items():
-            tname = hf_name(name, config.family)
+            tname = hf_name(name, config.family, prefix)
             f = where.get(tname)
             if f is None:
                 raise ModelLoadError(f"{path}: tensor {tname} is missing (needed for {name})")

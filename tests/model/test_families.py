@@ -113,3 +113,86 @@ def test_batched_equals_alone(family):
     np.testing.assert_allclose(dec_a.logits[2], both.logits[0], atol=1e-4)
     lone_b = runner.step(StepPlan([chunk(3, b, 0, [7, 13])]), return_logits=True)
     np.testing.assert_allclose(lone_b.logits[3], alone_b.logits[1], atol=1e-4)
+
+
+# ---- the loaders read each family's files ----------------------------------------------
+
+
+def _same_params(got: dict, want: dict, atol: float) -> None:
+    from model.weights import flatten
+
+    g, w = dict(flatten(got)), dict(flatten(want))
+    assert g.keys() == w.keys()
+    for k in w:
+        np.testing.assert_allclose(g[k], w[k], atol=atol, rtol=0, err_msg=k)
+
+
+OPTIONS = ("family", "qkv_bias", "qk_norm", "sandwich_norms", "activation", "embed_scale",
+           "query_scale", "sliding_window", "sliding_layers", "rope_local_theta",
+           "tie_embeddings", "head_dim", "num_kv_heads", "rope_scaling")
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("qwen3-8b", "Qwen3ForCausalLM"), ("gemma3-4b", "Gemma3ForCausalLM"),
+    ("gemma3-4b", "Gemma3ForConditionalGeneration")])
+def test_hugging_face_checkpoints_of_each_family_load(tmp_path, name, arch):
+    """config.json and safetensors as transformers writes them (Gemma's norms as w - 1;
+    the multimodal Gemma 3's text model under `language_model.model.`, its config in
+    `text_config` with transformers' defaults left out, a vision tensor beside it)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from model.weights import load_model
+    from tests.model.test_loaders import hf_state_dict, write_hf
+
+    cfg = shrunk(PRESETS[name], FAMILIES[name])
+    params = init_random_params(cfg, seed=5)
+    extra = {"head_dim": cfg.head_dim, "sliding_window": cfg.sliding_window or None}
+    if cfg.family == "gemma3":
+        extra |= {"query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0,
+                  "layer_types": ["sliding_attention" if w else "full_attention"
+                                  for w in cfg.windowed],
+                  "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                  "hidden_activation": "gelu_pytorch_tanh"}
+    path = write_hf(tmp_path / "m", cfg, params, arch="Gemma3ForCausalLM"
+                    if arch.startswith("Gemma3") else arch, family=cfg.family, **extra)
+    if arch == "Gemma3ForConditionalGeneration":
+        text = json.loads((path / "config.json").read_text())
+        for key in ("head_dim", "query_pre_attn_scalar", "rope_local_base_freq"):
+            text.pop(key)  # transformers' defaults: what a real text_config leaves out
+        (path / "config.json").write_text(json.dumps(
+            {"architectures": [arch], "text_config": text, "vision_config": {},
+             "eos_token_id": [1, 106]}))
+        sd = {"language_model." + k: v for k, v in hf_state_dict(params, "gemma3").items()}
+        sd["vision_tower.patch_embedding.weight"] = np.zeros((4, 4), np.float32)
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+        save_file(sd, str(path / "model.safetensors"))
+    loaded = load_model(str(path), progress=False)
+    _same_params(loaded.params, params, atol=1e-6)
+    for option in OPTIONS:
+        assert getattr(loaded.config, option) == getattr(cfg, option), option
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "gemma3-4b"])
+def test_gguf_files_of_each_family_load(tmp_path, name):
+    """GGUFs as llama.cpp's converter writes `qwen3` and `gemma3` (unpermuted q/k, Gemma's
+    norms already w + 1, its window in the metadata, every sixth layer global)."""
+    from dataclasses import replace
+
+    from model.weights import load_model
+    from tests.model.test_loaders import write_gguf
+
+    cfg = replace(shrunk(PRESETS[name], FAMILIES[name]), rope_scaling=None)
+    params = init_random_params(cfg, seed=6)
+    arch = "qwen3" if name.startswith("qwen3") else "gemma3"
+    loaded = load_model(str(write_gguf(tmp_path / "m.gguf", cfg, params, arch=arch)),
+                        progress=False)
+    _same_params(loaded.params, params, atol=0)
+    for option in OPTIONS:
+        if option not in ("query_scale", "embed_scale"):
+            assert getattr(loaded.config, option) == getattr(cfg, option), option
+    if arch == "gemma3":  # as llama.cpp runs it: 1/sqrt(head_dim), sqrt(hidden)
+        assert loaded.config.query_scale == 0.0
+        assert loaded.config.embed_scale == pytest.approx(cfg.hidden_size ** 0.5)
