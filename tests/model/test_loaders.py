@@ -305,6 +305,24 @@ def test_gguf_quantized_types(tmp_path):
         np.testing.assert_allclose(got[name], want[name], atol=atol, err_msg=name)
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+def test_q8_0_blocks_become_the_native_int8_blocks_exactly(layout):
+    """A GGUF's Q8_0 tensors (Gemma's embedding and v projections) go through f32 on
+    load, and the int8 format packs them back bit for bit: the same 32-value blocks along
+    the input, each scale max / 127. Served as the file has them, with no second
+    rounding."""
+    from model.quant import dequantize_int8, quantize_int8
+
+    w = np.random.default_rng(3).standard_normal((48, 96)).astype(np.float32)
+    w[5, :32] = 0  # an all-zero block
+    file = gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q8_0), Q.Q8_0)  # the loader's
+    packed = quantize_int8(file[None], layout=layout)
+    np.testing.assert_array_equal(dequantize_int8(packed)[0], file)
+    blocks = gguf.quants.quantize(w, Q.Q8_0).reshape(48, 3, 34)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    assert sorted(np.asarray(packed.scale).ravel()) == sorted(scales.ravel())
+
+
 def test_embedded_gguf_matches_llama_cpp_convention(embedded_model):
     """The real file: our half-split q/k == llama.cpp's interleaved rope on the stored rows,
     and the numpy reference's greedy answer is the one docs/stack.md records."""
