@@ -18,6 +18,7 @@ table and are tested as one; split, each part would import the others.)
 from __future__ import annotations
 
 import codecs
+import copy
 import json
 import re
 from datetime import datetime
@@ -143,9 +144,12 @@ class Tokenizer:
         GGUFs often ship none), and the family's end-of-turn token stopping generation."""
         template, end = FAMILY_CHAT.get(family, (None, None))
         end_id = self._tok.token_to_id(end) if end else None
-        return Tokenizer(self._tok, chat_template=self.chat_template or template,
-                         bos_token=self.bos_token, eos_token=self.eos_token,
-                         extra_eos_ids=self._extra_eos | ({end_id} - {None}))
+        new = copy.copy(self)  # the tables built once (1.4 s for Gemma's 262,144 tokens)
+        new.chat_template = self.chat_template or template
+        new._extra_eos = self._extra_eos | ({end_id} - {None})
+        for cached in ("eos_token_ids", "_template", "segments"):  # cached_property values
+            new.__dict__.pop(cached, None)
+        return new
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":

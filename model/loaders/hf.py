@@ -94,12 +94,15 @@ def config_from_hf(cfg: dict, file: Path) -> ModelConfig:
     if family == "gemma3":
         options = _gemma3(cfg, file)
     elif window and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
-        # Mistral v0.1 attends over a 4096-token window in every layer; Qwen2's
-        # `max_window_layers` bottom layers slide where `use_sliding_window` is set.
+        # Mistral v0.1 attends over a 4096-token window in every layer; where Qwen2 sets
+        # `use_sliding_window`, its layers from `max_window_layers` on slide (transformers'
+        # layer_types), or as `layer_types` says.
         layers = cfg["num_hidden_layers"]
-        first_full = int(cfg.get("max_window_layers", layers)) if family == "qwen2" else layers
-        options |= {"sliding_window": int(window),
-                    "sliding_layers": tuple(range(min(first_full, layers)))}
+        first = int(cfg.get("max_window_layers", 0)) if family == "qwen2" else 0
+        kinds = cfg.get("layer_types") or ["sliding_attention" if i >= first
+                                           else "full_attention" for i in range(layers)]
+        options |= {"sliding_window": int(window), "sliding_layers": tuple(
+            i for i, k in enumerate(kinds) if k == "sliding_attention")}
     return ModelConfig(
         name=cfg.get("_name_or_path") or file.parent.name,
         vocab_size=cfg["vocab_size"],

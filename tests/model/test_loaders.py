@@ -135,6 +135,14 @@ def test_hf_mistral_sliding_window_is_every_layers_window(tmp_path):
     d = write_hf(tmp_path / "q", TINY, params, "LlamaForCausalLM", sliding_window=None)
     cfg = load_model(str(d), progress=False).config
     assert cfg.max_position == TINY.max_position and not any(cfg.windowed)
+    # Qwen2 with use_sliding_window: the layers from max_window_layers on slide.
+    d = write_hf(tmp_path / "w", TINY_BIAS, init_random_params(TINY_BIAS, seed=2),
+                 "Qwen2ForCausalLM", sliding_window=512, use_sliding_window=True,
+                 max_window_layers=1)
+    assert load_model(str(d), progress=False).config.windowed == (False, True)
+    d = write_hf(tmp_path / "n", TINY_BIAS, init_random_params(TINY_BIAS, seed=2),
+                 "Qwen2ForCausalLM", sliding_window=512, use_sliding_window=False)
+    assert not any(load_model(str(d), progress=False).config.windowed)
 
 
 def test_hf_bf16_and_llama3_rope_scaling(tmp_path):
