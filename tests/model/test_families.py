@@ -196,3 +196,19 @@ def test_gguf_files_of_each_family_load(tmp_path, name):
     if arch == "gemma3":  # as llama.cpp runs it: 1/sqrt(head_dim), sqrt(hidden)
         assert loaded.config.query_scale == 0.0
         assert loaded.config.embed_scale == pytest.approx(cfg.hidden_size ** 0.5)
+
+
+def test_sliding_layers_copy_no_pool(family):
+    """The `cond` between a layer's window and its whole context takes the pool as an
+    operand: XLA must still update it in place, never copy it (tests/model/test_runner.py
+    holds the same for the plain layers)."""
+    import re
+
+    cfg, _, runner = family
+    rows, ps = cfg.num_layers * runner.num_pages, runner.page_size
+    kvh, d = cfg.num_kv_heads, runner.pool.row
+    shapes = "|".join(",".join(map(str, s)) for s in [
+        (rows, ps, kvh, d), (rows, ps * kvh * d), (rows * ps, kvh, d), (rows * ps, kvh * d)])
+    for b in runner.programs.ready:
+        text = runner._steps[b].as_text()
+        assert not re.findall(rf"= \w+\[(?:{shapes})\]\S* copy\(", text), b
