@@ -51,8 +51,9 @@ def timed(fn, repeats: int) -> float:
 
 
 class Profiler:
-    def __init__(self, repeats: int, max_context: int, quantization: str = "none") -> None:
-        m = load_model("embedded", progress=False)
+    def __init__(self, repeats: int, max_context: int, quantization: str = "none",
+                 model: str = "embedded") -> None:
+        m = load_model(model, progress=False)
         self.cfg = m.config
         pool = PoolConfig(kv_cache_bytes=(max_context + 4096 + 3 * 2000) * 46080,
                           mixed_decode_buckets=[16], prefill_buckets=[256],
@@ -162,17 +163,20 @@ class Profiler:
         cfg = self.cfg
         h, d = cfg.num_heads, cfg.head_dim
         att = r.attention
+        windowed = jnp.asarray(cfg.windowed)  # sliding layers read their window only
         if bucket not in self._attn:
             def body(kv, b, state):
                 def layer(acc, i):
                     total = acc
                     if bucket.dec_rows:
                         q = jnp.ones((bucket.dec_rows, 1, h, d), kv[0].dtype)
-                        total = total + att.attend(q, kv[0], kv[1], i, b.decode, state).sum()
+                        total = total + att.attend_layer(q, kv[0], kv[1], i, b.decode, state,
+                                                         windowed[i]).sum()
                     if bucket.pf_tokens:
                         blocks = bucket.pf_tokens // r.block_q
                         q = jnp.ones((blocks, r.block_q, h, d), kv[0].dtype)
-                        total = total + att.attend(q, kv[0], kv[1], i, b.prefill, state).sum()
+                        total = total + att.attend_layer(q, kv[0], kv[1], i, b.prefill, state,
+                                                         windowed[i]).sum()
                     return total, None
                 return jax.lax.scan(layer, jnp.float32(0),
                                     jnp.arange(cfg.num_layers, dtype=jnp.int32))[0]
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="16 rows at 2k only")
+    ap.add_argument("--model", default="embedded", help="model source (embedded:gemma3-270m)")
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "q4_1"))
     ap.add_argument("--rows", default=None, help="row counts, e.g. 1,16 (default 1,4,16)")
     ap.add_argument("--contexts", default=None, help="e.g. 100,2000 (default 100,2000,6000)")
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     row_counts = (16,) if args.quick else (1, 4, 16)
     if args.rows:
         row_counts = tuple(int(r) for r in args.rows.split(","))
-    p = Profiler(args.repeats, max(contexts), args.quantization)
+    p = Profiler(args.repeats, max(contexts), args.quantization, args.model)
     cases = []
     for rows in row_counts:
         for ctx in contexts:
