@@ -58,6 +58,13 @@ def test_tp_2_and_4_match_tp_1_on_a_llama_shaped_model():
     check_degrees(rows, pool_heads=4)
 
 
+def test_tp_2_matches_tp_1_on_a_gemma_shaped_model_past_its_window():
+    """Sliding layers (16 keys; prompts of 5-40 tokens and 12 decode steps cross it),
+    q/k and sandwich norms, GeGLU: split over two devices, the same tokens and logits."""
+    rows = run_forced("tests.model.tp_check", "gemma", "1,2")
+    check_degrees(rows, pool_heads=4)
+
+
 @pytest.mark.slow
 def test_tp_2_and_4_match_tp_1_on_smollm2_whose_heads_do_not_divide(embedded_gguf):
     # 9 query heads, 3 KV heads: padded to 12 and 4 for both degrees (model/tp.py).

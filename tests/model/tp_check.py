@@ -3,7 +3,8 @@ requests through ModelRunner at several tensor-parallel degrees; prints one JSON
 per degree: tokens, logits of the first steps, and the step's collectives.
 
 `python -m tests.model.tp_check WHICH DEGREES [FORMAT]`: WHICH "random" (a Llama-shaped
-model) or "embedded" (SmolLM2); FORMAT one of `FORMATS`: "f32" (default: f32 weights, dense
+model), "gemma" (a Gemma 3-shaped one: sliding layers of 16 keys, q/k and sandwich norms,
+GeGLU) or "embedded" (SmolLM2); FORMAT one of `FORMATS`: "f32" (default: f32 weights, dense
 attention), "int8" or "q4_1" (the native packed weights beside the CPU attention and its
 default pool, "auto"), "int8-bf16" (int8 weights, a bf16 pool), "int8-lora" (the default
 preset and native LoRA slots holding two random adapters, some requests under one, some
@@ -68,6 +69,16 @@ def main() -> None:
 
         loaded = load_model("embedded", progress=False)
         cfg, params = loaded.config, loaded.params
+    elif which == "gemma":  # 4 KV heads: split whole at 2 and 4 devices
+        import dataclasses
+
+        from model.presets import PRESETS
+        from model.weights import init_random_params
+
+        cfg = dataclasses.replace(PRESETS["tiny-gemma3"], vocab_size=512, num_heads=8,
+                                  num_kv_heads=4, head_dim=16, hidden_size=128,
+                                  intermediate_size=256, eos_token_ids=(2,))
+        params = init_random_params(cfg, seed=3)
     else:
         # f32: 4 KV heads (no padding at 2 or 4 devices), an intermediate size of 352
         # (padded at 4). Native weights: 6 KV heads of 16 values, so at 2 devices one
@@ -109,7 +120,7 @@ def main() -> None:
             runner.add_adapter(a)
         runner.warmup()
         tokens, logits = greedy_run(runner, prompts, 12, slots, loads,
-                                    every=which == "random")
+                                    every=which != "embedded")
         if lora and n > 1:  # an adapter unloaded and loaded again (another slot's arrays)
             runner.step(StepPlan([], adapter_loads=[(0, "b"), (1, "a")]))
             again, _ = greedy_run(runner, prompts, 12, [-1, 1, 0, 1])
