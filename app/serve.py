@@ -104,7 +104,9 @@ def generate(settings: Settings, prompt: str, *, max_tokens: int, temperature: f
     from .loading import build_pool
 
     def encode(tok) -> list[int]:
-        return tok.encode(prompt, True) if raw else tok.encode_chat([{"role": "user", "content": prompt}])
+        if raw:
+            return tok.encode(prompt, True)
+        return tok.encode_chat([{"role": "user", "content": prompt}])
 
     # Only what this one answer needs is compiled: seconds, not the server's warm-up.
     pool = build_pool(settings.pools[0], warmup="essential",

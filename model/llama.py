@@ -136,7 +136,7 @@ def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool
     out = {"embed": put("embed", np.asarray(params["embed"], embed_dtype)),
            "final_norm": put("final_norm", np.asarray(params["final_norm"], dtype)),
            "layers": layers}
-    if quantize:  # the lm_head (out = vocab, in = hidden); `embed` stays f32 for the lookup
+    if quantize:  # the lm_head (out = vocab, in = hidden); `embed` serves the lookup only
         head = params["embed"] if cfg.tie_embeddings else np.asarray(params["lm_head"]).T
         out["head_int8"] = put_q("head_int8", np.asarray(head, np.float32)[None],
                                  quantize_head)
@@ -153,7 +153,9 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False):
     theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     rs = None if local and cfg.rope_local_theta else cfg.rope_scaling
-    kind = rs and rs.get("rope_type", rs.get("type", "llama3" if "low_freq_factor" in rs else None))
+    # (Scaling dicts without a type are Llama 3's, as checkpoints before its name wrote it.)
+    kind = rs and rs.get("rope_type",
+                         rs.get("type", "llama3" if "low_freq_factor" in rs else None))
     if kind == "llama3":
         factor = rs["factor"]
         low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
@@ -349,7 +351,7 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         elif isinstance(win, bool):
             cos, sin = local_rot if win else rot
         else:
-            cos, sin = (jnp.where(win, a, b) for a, b in zip(local_rot, rot))
+            cos, sin = (jnp.where(win, loc, glob) for loc, glob in zip(local_rot, rot))
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if cfg.query_scale:  # the backends scale scores by head_dim ** -0.5
             q = q * jnp.asarray(cfg.query_scale * d ** 0.5, q.dtype)

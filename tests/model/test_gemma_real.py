@@ -57,8 +57,22 @@ def default(gemma):  # the default preset's formats on the CPU: int8 weights, in
 
 def _prompts(tok):
     return {"completion": tok.encode("The capital of France is", add_special_tokens=True),
-            "chat": tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+            "chat": tok.encode_chat([{"role": "user",
+                                      "content": "What is the capital of France?"}]),
             "numbers": tok.encode(NUMBERS, add_special_tokens=True)}
+
+
+_ANSWERS: dict = {}
+
+
+def _answer(gemma, runner, name):
+    """(greedy tokens as many as llama.cpp's answer has, the first step's logits) of the
+    prompt `name`, computed once per runner (each test reads what it needs)."""
+    key = (id(runner), name)
+    if key not in _ANSWERS:
+        tok = gemma.tokenizer
+        _ANSWERS[key] = _greedy(runner, _prompts(tok)[name], len(tok.encode(LLAMA_CPP[name])))
+    return _ANSWERS[key]
 
 
 def _greedy(runner, ids, n, seq=0):
@@ -92,7 +106,7 @@ def test_logits_match_the_numpy_forward_past_the_window(gemma, exact):
     """f32 engine vs numpy on the same dequantized weights, within 1e-3, at the end of
     each prompt: the 700-token one reads its sliding layers' windows only."""
     for name, ids in _prompts(gemma.tokenizer).items():
-        _, got = _greedy(exact, ids, 1)
+        _, got = _answer(gemma, exact, name)
         want = numpy_llama.forward(gemma.params, gemma.config, ids, last_only=True)[-1]
         np.testing.assert_allclose(got, want, atol=1e-3, err_msg=name)
 
@@ -102,11 +116,8 @@ def test_greedy_text_is_llama_cpps(gemma, exact, default):
     rounding lets them (llama.cpp multiplies Q4_K/Q5_0 blocks by q8 activations): the
     first 12 tokens in f32, all 24 (and the whole window-crossing answer) in int8."""
     tok = gemma.tokenizer
-    for name, ids in _prompts(tok).items():
-        want = LLAMA_CPP[name]
-        n = len(tok.encode(want))
-        f32, _ = _greedy(exact, ids, n)
-        i8, _ = _greedy(default, ids, n)
+    for name, want in LLAMA_CPP.items():
+        (f32, _), (i8, _) = _answer(gemma, exact, name), _answer(gemma, default, name)
         assert tok.decode(i8) == want, name
         assert tok.decode(f32[:12]) == tok.decode(tok.encode(want)[:12]), name
 
@@ -116,9 +127,8 @@ def test_the_default_formats_stay_within_the_stated_distance(gemma, exact, defau
     nats, each token of probability > 0.001 within 0.5 of its log-probability, the same
     top token (measured here: KL 0.0016, 0.0068 and 0.00004; logits themselves shift
     by up to 1.8 all together, which softmax ignores)."""
-    for name, ids in _prompts(gemma.tokenizer).items():
-        _, a = _greedy(exact, ids, 1)
-        _, b = _greedy(default, ids, 1)
+    for name in LLAMA_CPP:
+        (_, a), (_, b) = _answer(gemma, exact, name), _answer(gemma, default, name)
         la, lb = (x - np.logaddexp.reduce(x.astype(np.float64)) for x in (a, b))
         kl = float(np.sum(np.exp(la) * (la - lb)))
         top = la > np.log(1e-3)

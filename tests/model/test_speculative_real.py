@@ -304,7 +304,8 @@ FIDELITY = [
 @pytest.mark.slow
 def test_the_fidelity_set_on_the_embedded_model(embedded_model):
     """The 19 fidelity prompts on SmolLM2 (f32 weights, batch-invariant): speculative
-    answers equal plain ones, batched and alone."""
+    answers equal plain ones, batched, and alone for the 7 that repeat or count (where
+    proposals are accepted most; one at a time is the suite's slowest part)."""
     enable_compilation_cache()
     m = embedded_model
     r = ModelRunner(m.config, m.params, page_size=16, kv_cache_bytes=256 << 20,
@@ -321,12 +322,14 @@ def test_the_fidelity_set_on_the_embedded_model(embedded_model):
                                          detok=tok, max_running=19))
     spec, stats = trio.run(lambda: generate(r, reqs, speculative="ngram", concurrent=True,
                                             detok=tok, max_running=19))
-    alone, stats1 = trio.run(lambda: generate(r, reqs, speculative="ngram",
+    lone = [8, 9, 10, 11, 14, 15, 17]  # copy, repeat, rename, count, summarise, code, days
+    alone, stats1 = trio.run(lambda: generate(r, [reqs[i] for i in lone], speculative="ngram",
                                               concurrent=False, detok=tok))
     assert stats["accepted_tokens"] > 0 and stats1["accepted_tokens"] > 0, (stats, stats1)
-    for q, a, b, c in zip(FIDELITY, plain, spec, alone):
+    for q, a, b in zip(FIDELITY, plain, spec):
         assert b[0] == a[0], f"{q!r}: batched, speculative differs"
-        assert c[0] == a[0], f"{q!r}: alone, speculative differs"
+    for i, c in zip(lone, alone):
+        assert c[0] == plain[i][0], f"{FIDELITY[i]!r}: alone, speculative differs"
 
 
 @pytest.mark.parametrize("draft_seed", [3, 7])
