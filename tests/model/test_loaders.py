@@ -331,6 +331,17 @@ def test_q8_0_blocks_become_the_native_int8_blocks_exactly(layout):
     assert sorted(np.asarray(packed.scale).ravel()) == sorted(scales.ravel())
 
 
+def test_q4_1_and_q8_0_files_keep_their_blocks_under_quantization_q4_1():
+    """`--quantization q4_1` packs llama.cpp's own blocks: a Q4_1 tensor (SmolLM2's) and
+    a Q8_0 one (the lm_head's format there) come back bit for bit after the f32 load."""
+    from model.quant import dequantize_blocks, quantize_q4, quantize_q8_0
+
+    w = np.random.default_rng(4).standard_normal((64, 96)).astype(np.float32)
+    for qtype, pack in ((Q.Q4_1, quantize_q4), (Q.Q8_0, quantize_q8_0)):
+        file = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+        np.testing.assert_array_equal(dequantize_blocks(pack(file[None]))[0], file)
+
+
 def test_embedded_gguf_matches_llama_cpp_convention(embedded_model):
     """The real file: our half-split q/k == llama.cpp's interleaved rope on the stored rows,
     and the numpy reference's greedy answer is the one docs/stack.md records."""
