@@ -124,3 +124,17 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         return cls(**d)
+
+
+def gemma3_options(*, hidden: int, layers: int, window: int,
+                   sliding_layers: tuple[int, ...] | None = None, query_scale: float = 0.0,
+                   rope_local_theta: float = 10000.0) -> dict:
+    """The `ModelConfig` fields of a Gemma 3 (besides `qk_norm`, which loaders read from
+    the file): sandwich norms, GeGLU, embeddings times sqrt(hidden), and the sliding
+    layers (None: five of every six, each sixth global, as Gemma 3 interleaves them)."""
+    if sliding_layers is None:
+        sliding_layers = tuple(i for i in range(layers) if (i + 1) % 6)
+    return {"family": "gemma3", "sandwich_norms": True, "activation": "gelu_tanh",
+            "embed_scale": float(hidden) ** 0.5, "query_scale": query_scale,
+            "sliding_window": window, "sliding_layers": tuple(sliding_layers) if window else (),
+            "rope_local_theta": rope_local_theta}

@@ -7,20 +7,19 @@ with made-up numbers. `tiny` and `tiny-bias` are for fast tests of model code.
 
 from __future__ import annotations
 
-from .config import ModelConfig
+from .config import ModelConfig, gemma3_options
 
 def _gemma3(name: str, *, vocab: int, hidden: int, inter: int, layers: int, heads: int,
             kv: int, window: int, **kw) -> ModelConfig:
     """A Gemma 3 text model: head_dim 256, five sliding layers to one global, its norms,
     GeGLU and scaled embeddings (the text model of gemma-3-4b-it and up; 270m and 1b)."""
     return ModelConfig(
-        name=name, family="gemma3", vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6,
-        tie_embeddings=True, qk_norm=True, sandwich_norms=True, activation="gelu_tanh",
-        embed_scale=hidden ** 0.5, query_scale=256 ** -0.5, sliding_window=window,
-        sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6), bos_token_id=2,
-        eos_token_ids=(1, 106), **kw)
+        name=name, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=256,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+        bos_token_id=2, eos_token_ids=(1, 106), **kw,
+        **gemma3_options(hidden=hidden, layers=layers, window=window,
+                         query_scale=256 ** -0.5))
 
 
 PRESETS: dict[str, ModelConfig] = {

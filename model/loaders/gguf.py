@@ -25,7 +25,7 @@ import numpy as np
 
 from ..base import (LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype,
                     tensor_name, unflatten)
-from ..config import ModelConfig
+from ..config import ModelConfig, gemma3_options
 from ..progress import progress as _progress
 from .gguf_reader import open_reader
 from .gguf_tokenizer import tokenizer_from_gguf
@@ -123,12 +123,9 @@ def _gemma3(field, arch: str, hidden: int, heads: int, layers: int) -> dict:
     """Gemma 3's options, as llama.cpp runs it: the converter already added 1 to every
     norm weight; every sixth layer is global, the others slide over the window with rope
     base 10,000; the 27B (62 layers) scales queries by (hidden / heads) ** -0.5."""
-    window = int(field(f"{arch}.attention.sliding_window", 0) or 0)
-    return {"family": "gemma3", "sandwich_norms": True, "activation": "gelu_tanh",
-            "embed_scale": float(hidden) ** 0.5, "sliding_window": window,
-            "sliding_layers": tuple(i for i in range(layers) if (i + 1) % 6) if window else (),
-            "rope_local_theta": 10000.0,
-            "query_scale": (hidden / heads) ** -0.5 if layers == 62 else 0.0}
+    return gemma3_options(hidden=hidden, layers=layers,
+                          window=int(field(f"{arch}.attention.sliding_window", 0) or 0),
+                          query_scale=(hidden / heads) ** -0.5 if layers == 62 else 0.0)
 
 
 def _config(path: Path, **fields) -> ModelConfig:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..base import LoadedModel, ModelLoadError, check_shape, param_shapes, resolve_dtype
 from ..base import tensor_name, unflatten
-from ..config import ModelConfig
+from ..config import ModelConfig, gemma3_options
 from ..progress import progress as _progress
 from ..tokenizer import Tokenizer
 
@@ -133,17 +133,14 @@ def _gemma3(cfg: dict, file: Path) -> dict:
     kinds = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
         else "sliding_attention" for i in range(layers)]
-    window = int(cfg.get("sliding_window") or 0)
     act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu"):
         raise ModelLoadError(f"{file}: hidden_activation {act!r} is not supported")
-    return {"family": "gemma3", "sandwich_norms": True, "activation": "gelu_tanh",
-            "embed_scale": float(cfg["hidden_size"]) ** 0.5,
-            "query_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-            "sliding_window": window,
-            "sliding_layers": tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
-            if window else (),
-            "rope_local_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
+    return gemma3_options(
+        hidden=cfg["hidden_size"], layers=layers, window=int(cfg.get("sliding_window") or 0),
+        sliding_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+        query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        rope_local_theta=float(cfg.get("rope_local_base_freq", 10000.0)))
 
 
 def _rope_scaling(rs: dict | None, file: Path) -> dict | None:

@@ -69,11 +69,11 @@ def forward(params: dict, config, token_ids, *, rope_style: str = "half",
     eps = config.rms_norm_eps
     causal = np.triu(np.full((t, t), -np.inf, dtype), k=1)
     # A sliding layer's query i sees keys (i - window, i] (Gemma 3, Mistral).
-    window = getattr(config, "sliding_window", 0)
+    window = config.sliding_window
     banded = causal + np.tril(np.full((t, t), -np.inf, dtype), k=-window) if window else causal
-    sliding = getattr(config, "windowed", (False,) * len(params["layers"]))
-    scale = getattr(config, "query_scale", 0.0) or hd ** -0.5
-    x = cast(params["embed"])[ids] * dtype(getattr(config, "embed_scale", 1.0))
+    sliding = config.windowed
+    scale = config.query_scale or hd ** -0.5
+    x = cast(params["embed"])[ids] * dtype(config.embed_scale)
     for n, lp in enumerate(params["layers"]):
         inv = inv_frequencies(config, local=sliding[n])
         mask = banded if sliding[n] else causal
@@ -98,7 +98,7 @@ def forward(params: dict, config, token_ids, *, rope_style: str = "half",
         x = x + attn
         h = rms_norm(x, cast(lp["mlp_norm"]), eps)
         gate = h @ cast(lp["w_gate"])
-        if getattr(config, "activation", "silu") == "gelu_tanh":
+        if config.activation == "gelu_tanh":
             act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
         else:
             act = gate / (1 + np.exp(-gate))

@@ -118,15 +118,6 @@ def test_batched_equals_alone(family):
 # ---- the loaders read each family's files ----------------------------------------------
 
 
-def _same_params(got: dict, want: dict, atol: float) -> None:
-    from model.weights import flatten
-
-    g, w = dict(flatten(got)), dict(flatten(want))
-    assert g.keys() == w.keys()
-    for k in w:
-        np.testing.assert_allclose(g[k], w[k], atol=atol, rtol=0, err_msg=k)
-
-
 OPTIONS = ("family", "qkv_bias", "qk_norm", "sandwich_norms", "activation", "embed_scale",
            "query_scale", "sliding_window", "sliding_layers", "rope_local_theta",
            "tie_embeddings", "head_dim", "num_kv_heads", "rope_scaling")
@@ -144,7 +135,7 @@ def test_hugging_face_checkpoints_of_each_family_load(tmp_path, name, arch):
     from safetensors.numpy import save_file
 
     from model.weights import load_model
-    from tests.model.test_loaders import hf_state_dict, write_hf
+    from tests.model.test_loaders import assert_same_params, hf_state_dict, write_hf
 
     cfg = shrunk(PRESETS[name], FAMILIES[name])
     params = init_random_params(cfg, seed=5)
@@ -170,7 +161,7 @@ def test_hugging_face_checkpoints_of_each_family_load(tmp_path, name, arch):
             f.unlink()
         save_file(sd, str(path / "model.safetensors"))
     loaded = load_model(str(path), progress=False)
-    _same_params(loaded.params, params, atol=1e-6)
+    assert_same_params(loaded.params, params, atol=1e-6, rtol=0)
     for option in OPTIONS:
         assert getattr(loaded.config, option) == getattr(cfg, option), option
 
@@ -182,14 +173,14 @@ def test_gguf_files_of_each_family_load(tmp_path, name):
     from dataclasses import replace
 
     from model.weights import load_model
-    from tests.model.test_loaders import write_gguf
+    from tests.model.test_loaders import assert_same_params, write_gguf
 
     cfg = replace(shrunk(PRESETS[name], FAMILIES[name]), rope_scaling=None)
     params = init_random_params(cfg, seed=6)
     arch = "qwen3" if name.startswith("qwen3") else "gemma3"
     loaded = load_model(str(write_gguf(tmp_path / "m.gguf", cfg, params, arch=arch)),
                         progress=False)
-    _same_params(loaded.params, params, atol=0)
+    assert_same_params(loaded.params, params, atol=0, rtol=0)
     for option in OPTIONS:
         if option not in ("query_scale", "embed_scale"):
             assert getattr(loaded.config, option) == getattr(cfg, option), option
@@ -202,13 +193,7 @@ def test_sliding_layers_copy_no_pool(family):
     """The `cond` between a layer's window and its whole context takes the pool as an
     operand: XLA must still update it in place, never copy it (tests/model/test_runner.py
     holds the same for the plain layers)."""
-    import re
+    from tests.model.test_runner import full_pool_copies
 
-    cfg, _, runner = family
-    rows, ps = cfg.num_layers * runner.num_pages, runner.page_size
-    kvh, d = cfg.num_kv_heads, runner.pool.row
-    shapes = "|".join(",".join(map(str, s)) for s in [
-        (rows, ps, kvh, d), (rows, ps * kvh * d), (rows * ps, kvh, d), (rows * ps, kvh * d)])
-    for b in runner.programs.ready:
-        text = runner._steps[b].as_text()
-        assert not re.findall(rf"= \w+\[(?:{shapes})\]\S* copy\(", text), b
+    _, _, runner = family
+    assert full_pool_copies(runner) == {}
