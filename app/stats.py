@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import trio
 
-from .stats_schema import (BatchProgress, KvPages, KvTiers, Percentiles, PoolStats,
+from .stats_schema import (BatchProgress, KvPages, KvTiers, KvWindow, Percentiles, PoolStats,
                            ReplicaStats, Series, Slo, Speculative, Stats, Step, TenantStats)
 
 if TYPE_CHECKING:
@@ -346,6 +346,7 @@ def _pool(state: ServerState, live: LiveStats, pool: Pool, now: float, window_s:
         refused_per_s=refused, shed_per_s=shed, busy_fraction=busy, useful_busy_fraction=useful,
         replicas=replicas, series=_series(live, pool.name, now, window_s),
         kv_tiers=_kv_tiers(stats, cur, old, span),
+        kv_window=_kv_window(stats),
         speculative=_speculative(pool, cur, old, span),
         step_plans={k: round(n / planned, 4) for k, n in plans.items() if n} if planned else {})
 
@@ -364,6 +365,18 @@ def _replica(pool: Pool, i: int, s: Any, live: LiveStats, now: float, base: _Sam
     return ReplicaStats(i, s.alive, s.running, s.waiting, s.oldest_waiting_age_s, _kv([s]),
                         (s.busy_s - then) / span if span > 0 else None, steps, s.steps - 1,
                         s.running_capacity)
+
+
+def _kv_window(stats: list) -> KvWindow | None:
+    ws = [s.kv_window for s in stats if s.kv_window]
+    if not ws:
+        return None
+    return KvWindow(window=ws[0]["window"], total=sum(w["pages"] for w in ws),
+                    in_use=sum(w["pages_in_use"] for w in ws),
+                    cached=sum(w["pages_cached"] for w in ws),
+                    max_pages_per_seq=ws[0]["max_pages_per_seq"],
+                    most_pages_held=max(w["most_pages_held"] for w in ws),
+                    most_pages_held_ever=max(w["most_pages_held_ever"] for w in ws))
 
 
 def _kv(stats: list) -> KvPages:

@@ -33,6 +33,20 @@ class KvPages(msgspec.Struct):
     audit_problems: list[str] = []
 
 
+class KvWindow(msgspec.Struct):
+    """The sliding-window layers' own pages (models such as Gemma 3 whose sliding layers
+    keep only their window; scheduler/window_pages.py), summed over replicas: a
+    sequence's sliding pages are bounded by its window, whatever its context."""
+
+    window: int  # keys a sliding layer attends to
+    total: int  # sliding pages (each holds page_size positions of every sliding layer)
+    in_use: int
+    cached: int  # window tails kept for prefix hits
+    max_pages_per_seq: int  # the bound: the window, one chunk, a page each side
+    most_pages_held: int  # by one running sequence now
+    most_pages_held_ever: int
+
+
 class KvTiers(msgspec.Struct):
     """The KV tiers below the device pool (pools with `kv_host_bytes`; docs/operations.md,
     "KV tiers"): pages held, and over the window, where prefix hits came from and the
@@ -130,6 +144,8 @@ class PoolStats(msgspec.Struct):
     # a prompt about to miss the TTFT target took bigger chunks (scheduler/policy.py).
     step_plans: dict[str, float] = msgspec.field(default_factory=dict)
     kv_tiers: KvTiers | None = None  # None: the pool keeps no tiers below the device
+    # None: no sliding layers with pages of their own
+    kv_window: KvWindow | None = None
     speculative: Speculative | None = None  # None: speculative decoding off
 
 

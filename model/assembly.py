@@ -62,7 +62,7 @@ class StepAssembly:
         rows = self._sample_rows(bucket)
         layout = pack(dec, pf, bucket, page_size=self.page_size, block_q=self.block_q,
                       pages_per_seq=self.pool.pages_per_seq, n_samples=rows,
-                      prev_rows=self._prev_rows)
+                      prev_rows=self._prev_rows, windowed=bool(self.pool.window_pool))
         # Pages copied up from the host tier were written before the step, as copies are.
         written = plan.copies + [(0, page) for _, page in plan.swap_in]
         return bucket, rows, layout, self._batch(layout, written)
@@ -79,6 +79,8 @@ class StepAssembly:
             max_prefill_tokens=budget,
             shapes=tuple((b.dec_rows, b.pf_tokens) for b in self.programs.all),
             block_q=self.block_q,
+            window=self.pool.window if self.pool.window_pool else 0,
+            window_pool=self.pool.window_pool,
         )
 
     def buckets(self) -> list[Bucket]:
@@ -93,14 +95,15 @@ class StepAssembly:
     def _dummy(self, b: Bucket) -> StepLayout:
         return dummy_layout(b, block_q=self.block_q, pages_per_seq=self.pool.pages_per_seq,
                             n_samples=self._sample_rows(b),
-                            context=min(2048, self.max_context - 1))
+                            context=min(2048, self.max_context - 1),
+                            windowed=bool(self.pool.window_pool))
 
     def _batch(self, layout: StepLayout, copies: list[tuple[int, int]]) -> StepBatch:
         dec, pf = self.attention.prepare_step(self.kv, (layout.decode, layout.prefill),
                                          layout.slots, copies)
         return StepBatch(tokens=layout.tokens, positions=layout.positions, slots=layout.slots,
                          sample_idx=layout.sample_idx, decode=dec, prefill=pf,
-                         prev_src=layout.prev_src,
+                         prev_src=layout.prev_src, window_slots=layout.window_slots,
                          lora_slots=None if self.lora is None else layout.lora_slots)
 
     def _sampling_args(self, kind: str, rows: int, samples: list[SeqChunk],
@@ -112,13 +115,20 @@ class StepAssembly:
         return (sampling.sampling_batch(samples, rows, hist, self._rng,
                                         self.config.vocab_size), top)
 
-    def _copy_rows(self, copies: list[tuple[int, int]]):
+    def _copy_rows(self, copies: list[tuple[int, int]], window: bool = False):
         """The page copies (src page, dst page) as the copy program's pool rows, every
-        layer's, `COPY_BUCKET` pages per call: (src rows, dst rows) per call."""
-        layers = np.arange(self.config.num_layers, dtype=np.int32)[:, None] * self.num_pages
+        layer's, `COPY_BUCKET` pages per call: (src rows, dst rows) per call. Where the
+        sliding layers have pages of their own (`PoolLayout.window_pool`), copies of the
+        global layers' pages, or with `window` of the sliding layers' (the other layers
+        copy their null page onto itself, in the same program)."""
+        pool = self.pool
+        layers = np.asarray(pool.offsets, np.int32)[:, None]
+        mine = np.ones((pool.layers, 1), bool)
+        if pool.window_pool:
+            mine[:, 0] = np.asarray(pool.sliding) == window
         for i in range(0, len(copies), COPY_BUCKET):
             part = np.zeros((2, COPY_BUCKET), np.int32)  # unused entries: page 0 onto 0
             part[:, :len(copies[i:i + COPY_BUCKET])] = np.asarray(
                 copies[i:i + COPY_BUCKET], np.int32).T
-            src, dst = ((layers + p[None, :]).reshape(-1) for p in part)
+            src, dst = ((layers + np.where(mine, p[None, :], 0)).reshape(-1) for p in part)
             yield src, dst

@@ -58,6 +58,9 @@ class StepBatch:
     # [T] int32: the row of the step before's sampled tokens a pending token is (-1: the
     # token is in `tokens`); the runner's compiled step resolves it before `forward`.
     prev_src: jax.Array | None = None
+    # [T] int32: the sliding layers' slots where their pages are numbered apart
+    # (pallas_kernels/backends.py, `PoolLayout.window_pool`); None: `slots` serve all.
+    window_slots: jax.Array | None = None
 
 
 def prepare_params(params: dict, cfg: ModelConfig, dtype, *, feature_major: bool = False,
@@ -281,6 +284,8 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
                  if cfg.rope_local_theta and any(windowed) else rot)
     page_size = kv[0].shape[1]
     page_idx, page_off = b.slots // page_size, b.slots % page_size
+    # (a sliding layer's page where its pages are its own; offsets within a page agree)
+    win_idx = None if b.window_slots is None else b.window_slots // page_size
 
     native_lora = lora is not None and not isinstance(lora["o"], tuple)
     if lora is not None and not native_lora:  # which slot's delta each token takes
@@ -358,7 +363,13 @@ def forward(params, kv, b: StepBatch, attn_state=None, lora=None, *, cfg: ModelC
         # Index the 4-D pool directly (page row, offset), and read it 4-D too: a one-token
         # write is a dynamic-update-slice, and beside a reshaped view of the pool XLA:CPU
         # copied the whole pool per layer to serve both (tests/model check the HLO).
-        at = page_idx + attention.page_offset(i)
+        if win_idx is None:
+            at = page_idx
+        elif isinstance(win, bool):
+            at = win_idx if win else page_idx
+        else:
+            at = jnp.where(win, win_idx, page_idx)
+        at = at + attention.page_offset(i)
         k_pool = k_pool.at[at, page_off].set(to_pool(k, k_pool.dtype), mode="promise_in_bounds")
         v_pool = v_pool.at[at, page_off].set(to_pool(v, v_pool.dtype), mode="promise_in_bounds")
         outs = []

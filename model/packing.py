@@ -44,6 +44,9 @@ class StepLayout:
     # Chunks whose prompt tokens are scored (`SeqChunk.score_targets`), with the flat
     # token row each starts at.
     scored: list[tuple[SeqChunk, int]] = field(default_factory=list)
+    # [T] int32: the sliding layers' slots where their pages are numbered apart
+    # (`SeqChunk.window_table`); None: `slots` serve every layer.
+    window_slots: np.ndarray | None = None
 
 
 def sample_rows(bucket: Bucket, block_q: int, max_prefill_seqs: int) -> int:
@@ -94,10 +97,11 @@ def draft_rows(c: SeqChunk) -> list[SeqChunk]:
 
 def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: int,
          block_q: int, pages_per_seq: int, n_samples: int,
-         prev_rows: dict[int, int] | None = None) -> StepLayout:
+         prev_rows: dict[int, int] | None = None, windowed: bool = False) -> StepLayout:
     """Lay `dec` and `pf` (from `split`) out in `bucket`'s arrays. `prev_rows`: each
     sequence's sample row in the step launched before, where a `pending` chunk's token
-    is."""
+    is. `windowed`: the sliding layers' pages are numbered apart (each chunk's
+    `window_table`): their tables and slots too."""
     ps, bq = page_size, block_q
     nd, blocks = bucket.dec_rows, bucket.pf_tokens // bq
     t = nd + bucket.pf_tokens
@@ -106,12 +110,16 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
     slots = np.zeros(t, np.int32)
     lora_slots = np.full(t, -1, np.int32)
     prev_src = np.full(t, -1, np.int32)
-    decode = GroupLayout.empty(nd, pages_per_seq)
-    prefill = GroupLayout.empty(blocks, pages_per_seq)
+    decode = GroupLayout.empty(nd, pages_per_seq, windowed)
+    prefill = GroupLayout.empty(blocks, pages_per_seq, windowed)
+    wslots = np.zeros(t, np.int32) if windowed else None
     sample_idx = np.full(n_samples, -1, np.int32)  # (unused rows: zero logits inputs)
     samples: list[SeqChunk] = []
     scored: list[tuple[SeqChunk, int]] = []
 
+    if windowed and (bad := [c.seq_id for c in (*dec, *pf) if not c.window_table]):
+        raise ValueError(f"seqs {bad}: no window_table, and the sliding layers' pages are "
+                         "their own (scheduler/window_pages.py)")
     for i, c in enumerate(dec):
         pos = c.start_pos
         pt = c.page_table
@@ -123,6 +131,10 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         slots[i] = pt[pos // ps] * ps + pos % ps
         lora_slots[i] = c.adapter_slot
         decode.page_tables[i, :len(pt)] = pt
+        if windowed:
+            wt = c.window_table
+            wslots[i] = wt[pos // ps] * ps + pos % ps
+            decode.window_tables[i, :len(wt)] = wt
         decode.context_lens[i] = pos + 1
         decode.query_lens[i] = 1
         if c.score_targets:
@@ -142,9 +154,14 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         positions[flat:flat + n] = pos
         slots[flat:flat + n] = pt[pos // ps] * ps + pos % ps
         lora_slots[flat:flat + n] = c.adapter_slot
+        if windowed:
+            wt = np.asarray(c.window_table, np.int32)
+            wslots[flat:flat + n] = wt[pos // ps] * ps + pos % ps
         for j in range(-(-n // bq)):
             q = min(bq, n - j * bq)
             prefill.page_tables[blk, :len(pt)] = pt
+            if windowed:
+                prefill.window_tables[blk, :len(wt)] = wt
             prefill.context_lens[blk] = c.start_pos + j * bq + q
             prefill.query_lens[blk] = q
             blk += 1
@@ -156,7 +173,7 @@ def pack(dec: list[SeqChunk], pf: list[SeqChunk], bucket: Bucket, *, page_size: 
         flat += -(-n // bq) * bq
     real = sum(len(c.token_ids) for c in (*dec, *pf))
     return StepLayout(bucket, tokens, positions, slots, lora_slots, sample_idx, prev_src,
-                      decode, prefill, samples, real, scored)
+                      decode, prefill, samples, real, scored, wslots)
 
 
 def _prev_row(c: SeqChunk, prev_rows: dict[int, int] | None) -> int:
@@ -167,7 +184,7 @@ def _prev_row(c: SeqChunk, prev_rows: dict[int, int] | None) -> int:
 
 
 def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples: int,
-                 context: int) -> StepLayout:
+                 context: int, windowed: bool = False) -> StepLayout:
     """A layout of `bucket` that reads and writes only the null page (page 0, where padding
     writes go anyway), with every row at `context` tokens so that attention's loops run:
     for compiling and for the first run of a fresh executable."""
@@ -176,11 +193,12 @@ def dummy_layout(bucket: Bucket, *, block_q: int, pages_per_seq: int, n_samples:
     zeros = np.zeros(t, np.int32)
 
     def group(rows: int, queries: int) -> GroupLayout:
-        g = GroupLayout.empty(rows, pages_per_seq)
+        g = GroupLayout.empty(rows, pages_per_seq, windowed)
         g.context_lens[:] = context
         g.query_lens[:] = queries
         return g
 
     return StepLayout(bucket, zeros, zeros.copy(), zeros.copy(), np.full(t, -1, np.int32),
                       np.zeros(n_samples, np.int32), np.full(t, -1, np.int32), group(nd, 1),
-                      group(blocks, block_q), [], 0)
+                      group(blocks, block_q), [], 0,
+                      window_slots=zeros.copy() if windowed else None)

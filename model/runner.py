@@ -49,7 +49,7 @@ import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
 from pallas_kernels.backends import row_elements
-from scheduler.protocol import StepPlan, StepResult
+from scheduler.protocol import StepLimits, StepPlan, StepResult
 
 from . import sampling
 from .adapter_slots import LoraSlots, native_available as native_lora_available
@@ -110,6 +110,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         kv_host_bytes: int = 0,
         kv_disk_dir: str | None = None,
         kv_disk_bytes: int = 0,
+        window_pool: bool | int = True,
     ) -> None:
         # Where it runs: None, JAX's default device; else these, tensor parallel over them.
         tp_n = len(devices) if devices else 1
@@ -142,17 +143,20 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                                    * np.dtype(self.kv_storage).itemsize)
         if num_pages is None:
             num_pages = max(2, kv_cache_bytes // (self.kv_bytes_per_token * page_size))
-        self.num_pages = int(num_pages)
-        self.kv_bytes = self.num_pages * page_size * self.kv_bytes_per_token
+        # sliding layers (model/config.py): read through windowed tables, unless no
+        # context is longer than the window
+        window = (cfg.sliding_window if any(cfg.windowed)
+                  and self.max_context > cfg.sliding_window else 0)
+        self.num_pages, self.window_pool = self._size_pool(
+            int(num_pages), window, False if kv_host_bytes else window_pool)
+        layer_bytes = page_size * self.kv_bytes_per_token // cfg.num_layers
         self.pool = PoolLayout(layers=cfg.num_layers, pages=self.num_pages,
                                page_size=page_size, kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, dtype=self.kv_storage,
                                pages_per_seq=-(-self.max_context // page_size),
-                               # sliding layers (model/config.py): read through windowed
-                               # tables, unless no context is longer than the window
-                               window=(cfg.sliding_window if any(cfg.windowed)
-                                       and self.max_context > cfg.sliding_window else 0),
-                               window_queries=block_q)
+                               window=window, window_queries=block_q,
+                               sliding=tuple(cfg.windowed), window_pool=self.window_pool)
+        self.kv_bytes = self.pool.rows * layer_bytes
         # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
         self.kv_store = self._tier_store(params, quantization, kv_host_bytes, kv_disk_dir,
                                          kv_disk_bytes) if kv_host_bytes else None
@@ -275,6 +279,33 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
 
     # ----------------------------------------------------------------- limits and buckets
 
+    def _size_pool(self, pages: int, window: int, own: bool | int) -> tuple[int, int]:
+        """(pages of each global layer, pages of each sliding layer; 0: the same pages)
+        for the memory of `pages` pages in every layer. Sliding layers get pages of their
+        own where that leaves the global layers more (scheduler/window_pages.py): as many
+        as the most sequences a step decodes can hold at once within their windows
+        (`StepLimits.window_pages_per_seq`), and a quarter more for the prefix cache's
+        window tails. Not with the KV tiers (whose pages hold every layer). `own`: an
+        int, that many sliding pages beside `pages` global ones (tests); False: none."""
+        cfg = self.config
+        sliding = sum(cfg.windowed)
+        if own is False or not (window and 0 < sliding < cfg.num_layers):
+            return pages, 0
+        if own is not True:
+            return pages, int(own)
+        max_pf = self.prefill_buckets[-1] if self.prefill_buckets else 0
+        limits = StepLimits(
+            max_decode_seqs=self.decode_buckets[-1] if self.decode_buckets else 0,
+            max_prefill_seqs=0, max_prefill_tokens=0, block_q=self.block_q, window=window,
+            max_prefill_chunk=max(0, max_pf - self.max_prefill_seqs * (self.block_q - 1)))
+        per_seq = limits.window_pages_per_seq(self.page_size)
+        own = max(limits.max_decode_seqs, 1) * per_seq * 5 // 4 + 1
+        rows = pages * cfg.num_layers
+        glob = (rows - sliding * own) // (cfg.num_layers - sliding)
+        if glob <= pages:  # a small pool: the window saves nothing
+            return pages, 0
+        return glob, own
+
     def describe(self) -> dict:
         return {
             "model": self.config.name,
@@ -285,6 +316,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             "kv_cache_dtype": jnp.dtype(self.kv_dtype).name,
             "kv_cache_bytes": self.kv_bytes,
             "kv_capacity_tokens": (self.num_pages - 1) * self.page_size,
+            "window_pool_pages": self.window_pool,
             "max_context": self.max_context,
             "buckets": len(self.programs.all),
             "buckets_ready": len(self.programs.ready),
@@ -430,6 +462,8 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             swap_s = self._run_swaps(plan)
         if plan.copies:
             self._run_copies(plan.copies)
+        if plan.window_copies:
+            self._run_copies(plan.window_copies, window=True)
         for slot, name in plan.adapter_loads:
             self.lora.load(slot, name)
         if not plan.chunks:
@@ -521,6 +555,6 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         layers = np.arange(self.config.num_layers, dtype=np.int32)[:, None] * self.num_pages
         return (layers + padded[None, :]).reshape(-1)
 
-    def _run_copies(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in self._copy_rows(copies):
+    def _run_copies(self, copies: list[tuple[int, int]], window: bool = False) -> None:
+        for src, dst in self._copy_rows(copies, window):
             self._dev_copy(src, dst)

@@ -10,10 +10,10 @@ A backend owns everything between the plan and that call:
   (`state`, passed into every step);
 - inside the compiled step, `attend()` reads one layer of the KV pool with that metadata.
 
-The KV pool is one array for K and one for V, `[layers * pages, page_size, kv_heads,
-head_dim]` (an int8 pool: `head_dim + 4`, `to_pool`): layer l's page p is row
-`l * pages + p` (`PoolLayout.pages`), so one layer's view is a page offset, never a copy.
-Page 0 of each layer is the null page.
+The KV pool is one array for K and one for V, `[rows, page_size, kv_heads, head_dim]`
+(an int8 pool: `head_dim + 4`, `to_pool`): layer l's page p is row `offsets[l] + p`
+(`PoolLayout.offsets`: `l * pages` in a uniform pool), so one layer's view is a page
+offset, never a copy. Page 0 of each layer is the null page.
 
 Sliding-window layers (Gemma 3, Mistral): where the pool has a `window`, `prepare_step`
 adds to each group a second, windowed metadata (`WindowMeta`: each row's page table cut
@@ -21,6 +21,10 @@ to the pages its queries' windows reach) and the model calls `attend_layer`, whi
 sliding layer through `attend_window` instead: pages outside the window are not read. The
 base class's `attend_window` is the dense reference over those few pages (a window's
 worth of keys per row, whatever the context); a backend may override it with its kernel.
+Where the pool gives the sliding layers their own pages (`window_pool`: fewer per layer
+than the global layers' `pages`, numbered apart, scheduler/window_pages.py), each group
+also carries the rows' sliding page tables (`GroupLayout.window_tables`) and the windowed
+metadata is cut from those.
 
 Registry: `pallas_kernels.BACKENDS` maps a name to its class; adding one (a TPU kernel,
 say) is a file with a subclass and a line there.
@@ -89,6 +93,27 @@ class PoolLayout:
     pages_per_seq: int  # page-table width the runner packs
     window: int = 0  # the sliding layers' window in keys; 0: no sliding layers
     window_queries: int = 1  # the most queries a row of a step has (the prefill block)
+    sliding: tuple[bool, ...] = ()  # per layer: does it slide (with `window_pool`)
+    # Pages of each sliding layer where they are numbered apart from the global layers'
+    # (scheduler/window_pages.py); 0: every layer has `pages`, one numbering.
+    window_pool: int = 0
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Pool row of each layer's page 0."""
+        out, at = [], 0
+        for layer in range(self.layers):
+            out.append(at)
+            at += self.window_pool if self.window_pool and self.sliding[layer] else self.pages
+        return tuple(out)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the pool array: every layer's pages."""
+        if not self.window_pool:
+            return self.layers * self.pages
+        n = sum(self.sliding)
+        return (self.layers - n) * self.pages + n * self.window_pool
 
     @property
     def window_pages(self) -> int:
@@ -104,7 +129,7 @@ class PoolLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.layers * self.pages, self.page_size, self.kv_heads, self.row)
+        return (self.rows, self.page_size, self.kv_heads, self.row)
 
 
 @dataclasses.dataclass
@@ -118,11 +143,15 @@ class GroupLayout:
     page_tables: np.ndarray  # [rows, pages_per_seq] int32: page ids of one layer
     context_lens: np.ndarray  # [rows] int32: keys in the pool, this step's included
     query_lens: np.ndarray  # [rows] int32: real queries, at the end of the context
+    # [rows, pages_per_seq] int32: the sliding layers' page ids where they are numbered
+    # apart (`PoolLayout.window_pool`; 0 where released); None: `page_tables` serve all.
+    window_tables: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, rows: int, pages_per_seq: int) -> "GroupLayout":
+    def empty(cls, rows: int, pages_per_seq: int, windowed: bool = False) -> "GroupLayout":
         return cls(np.zeros((rows, pages_per_seq), np.int32), np.zeros(rows, np.int32),
-                   np.zeros(rows, np.int32))
+                   np.zeros(rows, np.int32),
+                   np.zeros((rows, pages_per_seq), np.int32) if windowed else None)
 
 
 class WindowMeta(NamedTuple):
@@ -138,10 +167,11 @@ class WindowMeta(NamedTuple):
         ctx, ql = group.context_lens, group.query_lens
         lowest = np.maximum(ctx - ql - pool.window + 1, 0)  # the first query's first key
         first = np.where(ql > 0, lowest // ps, 0)
+        src = group.page_tables if group.window_tables is None else group.window_tables
         idx = first[:, None] + np.arange(width)[None, :]
-        inside = idx < group.page_tables.shape[1]
+        inside = idx < src.shape[1]
         tables = np.where(inside, np.take_along_axis(
-            group.page_tables, np.minimum(idx, group.page_tables.shape[1] - 1), axis=1), 0)
+            src, np.minimum(idx, src.shape[1] - 1), axis=1), 0)
         return cls(tables.astype(np.int32), (ctx - first * ps).astype(np.int32),
                    ql.astype(np.int32))
 
@@ -216,8 +246,13 @@ class AttentionBackend:
                                      meta.context_lens, meta.query_lens, window=self.pool.window)
 
     def page_offset(self, layer):
-        """Pool row of `layer`'s page 0."""
-        return layer * self.pool.pages
+        """Pool row of `layer`'s page 0 (`layer`: an int, or traced in a layer scan)."""
+        if not self.pool.window_pool:
+            return layer * self.pool.pages
+        offsets = self.pool.offsets
+        if isinstance(layer, int):
+            return offsets[layer]
+        return jnp.asarray(offsets, jnp.int32)[layer]
 
 
 class DenseBackend(AttentionBackend):

@@ -213,18 +213,22 @@ def cascade_attention(
     return out.transpose(0, 3, 1, 2, 4).reshape(s, nq, h, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_layer",), donate_argnums=(3,))
-def gather_prefix(k_pool, v_pool, pages, old, at, *, pages_per_layer: int):
+@functools.partial(jax.jit, static_argnames=("offsets",), donate_argnums=(3,))
+def gather_prefix(k_pool, v_pool, pages, old, at, *, offsets: tuple[int | None, ...]):
     """Write the keys and values of `pages` ([n / page_size] int32, one layer's ids) into
-    the copy `cascade_attention` reads, from its token `at` on, in every layer: `old`
-    (kt [L, kv_heads, head_dim, tokens], v [L, kv_heads, tokens, head_dim]) is donated and
-    overwritten in place. One gather and transpose per layer: a single gather over all
-    layers, then one big transpose, ran 3-10x slower on XLA:CPU."""
+    the copy `cascade_attention` reads, from its token `at` on, in every layer whose pool
+    row of page 0 `offsets` gives (None: a sliding layer with pages of its own, which
+    reads no shared prefix): `old` (kt [L, kv_heads, head_dim, tokens], v [L, kv_heads,
+    tokens, head_dim]) is donated and overwritten in place. One gather and transpose per
+    layer: a single gather over all layers, then one big transpose, ran 3-10x slower on
+    XLA:CPU."""
     rows, ps, kvh, d = k_pool.shape
     n = pages.shape[0] * ps
     kt, vt = old
-    for layer in range(rows // pages_per_layer):
-        rows_at = pages + layer * pages_per_layer
+    for layer, offset in enumerate(offsets):
+        if offset is None:
+            continue
+        rows_at = pages + offset
         kt = lax.dynamic_update_slice(
             kt, k_pool[rows_at].reshape(n, kvh, d).transpose(1, 2, 0)[None].astype(kt.dtype),
             (layer, 0, 0, at))

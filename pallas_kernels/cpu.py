@@ -291,6 +291,9 @@ class PrefixCopy:
         shape_v = (pool.layers, pool.kv_heads, total, pool.head_dim)
         self.arrays = (jnp.zeros(shape_k, pool.dtype), jnp.zeros(shape_v, pool.dtype))
         self.held = [np.zeros(0, np.int32) for _ in range(slots)]  # pages each slot holds
+        own = pool.window_pool and pool.sliding  # sliding layers with pages of their own
+        self._gather_offsets = tuple(None if own and own[i] else o
+                                     for i, o in enumerate(pool.offsets))
         self.last_used = [-2] * slots  # the step each slot last served a prefix
         self.steps = 0
         self.fills = 0
@@ -305,7 +308,7 @@ class PrefixCopy:
         padded[:len(pages)] = pages
         self.arrays = gather_prefix(kv[0], kv[1], padded, self.arrays,
                                     np.int32(slot * self.tokens),
-                                    pages_per_layer=self.pool.pages)
+                                    offsets=self._gather_offsets)
         self.held[slot] = pages.copy()
 
     def update(self, kv, written: np.ndarray,

@@ -144,6 +144,9 @@ class EngineStats:
     # Speculative decoding (scheduler/speculative.py `Speculation.spec_stats`): the mode,
     # verifies, proposals verified and accepted (per position), acceptance.
     speculative: dict = field(default_factory=dict)
+    # The sliding layers' own pages (scheduler/window_pages.py `WindowPages.stats`; empty:
+    # none): the window, pages in use and cached, the most one sequence holds and may hold.
+    kv_window: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:

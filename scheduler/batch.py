@@ -29,6 +29,7 @@ class Batch:
     # (and maybe admitted again) since then has nothing to commit from this step.
     epochs: list[int] = field(default_factory=list)
     registered: list[int] = field(default_factory=list)  # pages it offered the prefix cache
+    window_registered: list[int] = field(default_factory=list)  # ... of the sliding layers'
     # Which rule sized the step's prompt chunks (`STEP_PLANS`) and the ITL budget it was
     # planned within (0: none): /v1/stats and the dashboard show them step by step.
     why: str = "decode-only"

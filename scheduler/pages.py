@@ -267,21 +267,26 @@ class PageAllocator:
         Takes no references (see `acquire`) so admission can still say no."""
         if not self.prefix_cache:
             return []
-        ps = self.page_size
-        tokens = seq.token_ids
         hits: list[int] = []
-        for i in range(len(tokens) // ps):
-            key = self.page_key(seq, i)
-            page = self._page_of_key.get(key)
+        for i in range(len(seq.token_ids) // self.page_size):
+            page = self.lookup(seq, i)
             if page is None:
                 break
-            parent = seq.page_keys[i - 1] if i else _ROOT_KEY
-            meta = self._meta[page]
-            if (meta[0] != parent or meta[1] != seq.cache_salt
-                    or meta[2] != tuple(tokens[i * ps:(i + 1) * ps])):
-                break  # a hash collision: never serve someone else's K/V
             hits.append(page)
         return hits
+
+    def lookup(self, seq: Sequence, i: int) -> int | None:
+        """The cached page holding the sequence's (full) page i, or None."""
+        page = self._page_of_key.get(self.page_key(seq, i))
+        if page is None:
+            return None
+        ps = self.page_size
+        parent = seq.page_keys[i - 1] if i else _ROOT_KEY
+        meta = self._meta[page]
+        if (meta[0] != parent or meta[1] != seq.cache_salt
+                or meta[2] != tuple(seq.token_ids[i * ps:(i + 1) * ps])):
+            return None  # a hash collision: never serve someone else's K/V
+        return page
 
     def expected_hits(self, seq: Sequence, promised: Container[int] = ()) -> int:
         """Tokens of `seq`'s prompt that are likely to be cached when it runs: its leading
@@ -323,18 +328,21 @@ class PageAllocator:
                     return True
         return False
 
-    def register(self, seq: Sequence, first: int, end: int) -> list[int]:
+    def register(self, seq: Sequence, first: int, end: int,
+                 table: list[int] | None = None) -> list[int]:
         """Offer pages ``[first, end)`` of the sequence (full, and computed by a step
         launched: any step that reads them runs after it) to the cache; returns the pages
         newly cached. A page whose prefix is already cached in another page stays private
         (two sequences computed the same prompt at once); it goes straight back to the
-        free list when released."""
+        free list when released. `table`: another of the sequence's tables than
+        `kv_pages` (scheduler/window_pages.py)."""
         if not self.prefix_cache:
             return []
         ps = self.page_size
+        table = seq.kv_pages if table is None else table
         added = []
         for i in range(first, end):
-            page = seq.kv_pages[i]
+            page = table[i]
             if self._key_of[page] is not None:
                 continue  # already cached (a prefix hit)
             key = self.page_key(seq, i)

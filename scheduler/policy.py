@@ -69,6 +69,7 @@ from .chunk_sizing import STEP_PLANS, ChunkSizing
 from .fairness import FairQueue
 from .itl_plan import PRIOR_ANSWER_TOKENS, ItlPlanning
 from .pages import PageAllocator
+from .window_pages import WindowPages
 from .queries import Queries
 from .protocol import StepLimits, StepPlan
 from .request import Phase, Sequence
@@ -96,6 +97,11 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
         self.max_context = max_context  # positions the model has (0: not said)
         self.clock = clock
         self.pages = PageAllocator(num_pages, page_size, prefix_cache=config.prefix_cache)
+        # The sliding layers' own pages, where the runner gives them some (window_pages.py).
+        self.window = WindowPages(
+            limits.window_pool, page_size, limits.window,
+            limits.window_pages_per_seq(page_size),
+            prefix_cache=config.prefix_cache) if limits.window_pool else None
         self.adapters = AdapterSlots(adapter_slots)
         self.waiting = FairQueue()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, admission order
@@ -104,6 +110,8 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
         cap = min(config.max_running, limits.max_decode_seqs, config.max_step_tokens)
         if self.static:
             cap = min(cap, config.static_batch_size)
+        if self.window is not None:  # each holding its window's pages at most
+            cap = min(cap, self.window.max_seqs)
         # Every running sequence must be able to decode in the same step: no starvation.
         self.max_running = max(1, cap)
         # Prefill beside decodes is capped by measured step cost (the engine feeds it).
@@ -327,6 +335,8 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
                 else:
                     copies.append(pages.copy_on_write(table, idx))
                     batch.copied.append(seq)
+            if self.window is not None:
+                self.window.prepare(seq, pos, 1, batch.plan.window_copies)
             self.waiting.charge(seq, pos + 1)
             chunks.append(seq.chunk(pos, 1))
             seqs.append(seq)
@@ -344,6 +354,8 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
                 return 0  # wait for a page rather than preempt from the prefill side
             batch.plan.copies.append(pages.copy_on_write(seq.kv_pages, idx))
             batch.copied.append(seq)
+        if self.window is not None:
+            self.window.prepare(seq, start, n, batch.plan.window_copies)
         batch.plan.chunks.append(seq.chunk(start, n))
         batch.seqs.append(seq)
         batch.work += chunk_work(start, n)
@@ -357,6 +369,10 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
         pages = self.pages
         scoring = seq.scoring_prompt  # computes its whole prompt: no prefix hits
         hits = [] if scoring else pages.match(seq)
+        tail: list[int] = []
+        if self.window is not None and hits:  # only as far as the window's tail is cached
+            n, tail = self.window.hits(seq, len(hits))
+            del hits[n:]
         lower: list[int] = []  # host slots continuing the device hits
         if pages.tiers is not None and not scoring and pages.prefix_cache:
             lower = self._lower_hits(seq, len(hits))
@@ -385,6 +401,8 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
                 batch.plan.adapter_loads.append((seq.adapter_slot, seq.adapter))
         pages.acquire(hits)
         seq.kv_pages.extend(hits)
+        if self.window is not None:
+            self.window.admit(seq, len(hits), tail)
         if lower:  # copied up before the step's copies and chunks run (batch.registered:
             batch.registered += pages.take_up(seq, lower)  # a failed launch forgets them)
             pages.tiers.count_hits(lower)
@@ -449,7 +467,7 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         """Recompute later: release the pages, back to the front of the line."""
         del self.running[seq.seq_id]
-        self.pages.free(seq)
+        self._free_pages(seq)
         self._release_adapter(seq)
         self.spec_forget(seq)
         seq.num_computed_tokens = 0

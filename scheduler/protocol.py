@@ -96,6 +96,10 @@ class SeqChunk:
     # Speculative decoding: the last `draft` tokens of `token_ids` are proposals, not yet
     # the sequence's; each of the chunk's positions samples (`StepResult.drafted`).
     draft: int = 0
+    # The sliding layers' page table where their pages are numbered apart
+    # (`StepLimits.window_pool`, scheduler/window_pages.py): same positions as
+    # `page_table`, page 0 where a page fell out of the window and went back.
+    window_table: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -114,6 +118,9 @@ class StepPlan:
     swap_out: list[tuple[int, int, int, tuple]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter)
+    # (src, dst) copies of the sliding layers' own pages (`SeqChunk.window_table`), run
+    # beside `copies`.
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +183,18 @@ class StepLimits:
     # holds it (empty: not known); each prefill chunk is padded to whole `block_q` blocks.
     shapes: tuple[tuple[int, int], ...] = ()
     block_q: int = 1
+    # Sliding-window layers with pages of their own (scheduler/window_pages.py): their
+    # window in keys and their pool's pages, the null page included; 0: none (every
+    # layer reads the one numbering of `page_table`).
+    window: int = 0
+    window_pool: int = 0
+
+    def window_pages_per_seq(self, page_size: int) -> int:
+        """The most sliding pages a running sequence holds at once: the window before
+        its chunk's first query, the chunk (a prompt chunk, or a decode row's proposals),
+        a page boundary each side, and one more while a shared page is copied."""
+        chunk = max(self.max_prefill_chunk, self.max_decode_seqs)
+        return (self.window + chunk - 2) // page_size + 3
 
 
 class RunnerLost(RuntimeError):

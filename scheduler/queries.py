@@ -110,4 +110,12 @@ class Queries:
             adapters=self.adapters.stats(),
             kv_tiers=pages.tiers.stats() if pages.tiers is not None else {},
             speculative=self.spec_stats(),
-            kv_audit=pages.audit(s.kv_pages for s in self.running.values()) if audit else [])
+            kv_window=self.window.stats(self.running.values()) if self.window else {},
+            kv_audit=self._audit() if audit else [])
+
+    def _audit(self) -> list[str]:
+        running = list(self.running.values())
+        errors = self.pages.audit(s.kv_pages for s in running)
+        if self.window is not None:
+            errors += [f"sliding: {e}" for e in self.window.audit(running)]
+        return errors

@@ -45,7 +45,7 @@ class Sequence:
         "prompt_ids", "token_ids", "output_ids", "max_tokens",
         "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
         "adapter", "adapter_slot", "constraint", "index", "prompt_logprobs", "prompt_scores",
-        "kv_pages", "page_keys", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
+        "kv_pages", "page_keys", "window_pages", "window_first", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
         "predicted_ttft", "finished_at", "finish_reason", "num_preemptions", "aborted", "output", "inflight", "spec",
@@ -85,6 +85,10 @@ class Sequence:
         self.prompt_scores: list[Any] = []  # [j]: prompt token j + 1's logprob (SampledToken)
         self.kv_pages: list[int] = []  # page table: page id per page_size positions
         self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)
+        # The sliding layers' own page table where they have one (scheduler/window_pages.py):
+        # same positions as `kv_pages`, pages before `window_first` released (0).
+        self.window_pages: list[int] = []
+        self.window_first = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admit)
         # Prompt tokens expected to need computing, judged when it was queued (prefix cache
@@ -192,6 +196,7 @@ class Sequence:
             score_targets=targets,
             score_top=self.prompt_logprobs or 0,
             pending=pending,
+            window_table=self.window_pages,
         )
 
     def finish_event(self) -> FinishEvent:

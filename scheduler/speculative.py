@@ -363,6 +363,8 @@ class Speculation:
         need = pages.pages_for(chunk.start_pos + len(props) + 1) - len(seq.kv_pages)
         if need > 0:
             seq.kv_pages.extend(pages.allocate(need))
+        if self.window is not None:
+            self.window.prepare(seq, chunk.start_pos, 1 + len(props), batch.plan.window_copies)
         chunk.token_ids = [*chunk.token_ids, *props]
         chunk.draft = len(props)
         batch.draft_rows += len(props)
@@ -400,6 +402,8 @@ class Speculation:
             tail = seq.kv_pages[keep:]
             del seq.kv_pages[keep:]
             self.pages.release(tail)
+        if self.window is not None:
+            self.window.trim(seq, keep)
 
     def spec_stats(self) -> dict:
         """What /v1/stats, the metrics and the dashboard show."""

@@ -48,7 +48,7 @@ class StepBooks:
             # Its full pages join the prefix cache now (a step reading them runs after
             # this one), but not a page whose last token is still in flight: `commit`.
             if not chunk.pending and end // ps > start // ps:
-                batch.registered += self.pages.register(seq, start // ps, end // ps)
+                self._register(seq, start // ps, end // ps, batch)
             if chunk.sample:
                 seq.inflight += 1
                 seq.phase = Phase.DECODE
@@ -60,13 +60,31 @@ class StepBooks:
         if tiers is not None and batch.plan.swap_out:  # never copied down: nothing there
             tiers.forget(key for _, _, key, _ in batch.plan.swap_out)
             tiers.settled(slot for _, slot, _, _ in batch.plan.swap_out)
-        lost = set(batch.registered)
-        if not lost:
+        lost, wlost = set(batch.registered), set(batch.window_registered)
+        if not (lost or wlost):
             return []
         self.pages.forget(lost)
+        if wlost:
+            self.window.forget(wlost)
         inside = {id(s) for s in batch.seqs}
         return [s for s in self.running.values()
-                if id(s) not in inside and not lost.isdisjoint(s.kv_pages)]
+                if id(s) not in inside and not (lost.isdisjoint(s.kv_pages)
+                                                and wlost.isdisjoint(s.window_pages))]
+
+    def _register(self, seq: Sequence, first: int, end: int, batch: Batch | None = None) -> None:
+        """Offer the sequence's full pages ``[first, end)`` to the prefix cache, the
+        sliding layers' too; with `batch`, noted as its (`forget` if it fails)."""
+        added = self.pages.register(seq, first, end)
+        wadded = self.window.register(seq, first, end) if self.window is not None else []
+        if batch is not None:
+            batch.registered += added
+            batch.window_registered += wadded
+
+    def _free_pages(self, seq: Sequence) -> None:
+        """All of the sequence's pages go back (finished, aborted or preempted)."""
+        self.pages.free(seq)
+        if self.window is not None:
+            self.window.free(seq)
 
     def commit(self, batch: Batch, result: StepResult) -> list[tuple[Sequence, SampledToken]]:
         """Record what a `launched` step computed; returns the sequences that got a new
@@ -85,7 +103,7 @@ class StepBooks:
             start = chunk.start_pos
             end = start + len(chunk.token_ids) - chunk.draft
             if chunk.pending and end // ps > start // ps:  # its token is known now
-                self.pages.register(seq, start // ps, end // ps)
+                self._register(seq, start // ps, end // ps)
             if chunk.score_targets:
                 scores = result.prompt_logprobs.get(seq.seq_id)
                 if scores is None:
@@ -110,7 +128,7 @@ class StepBooks:
                     # their full pages offered to the cache now that they are known.
                     seq.num_computed_tokens = end + len(toks) - 1
                     if (end + len(toks) - 1) // ps > end // ps:
-                        self.pages.register(seq, end // ps, (end + len(toks) - 1) // ps)
+                        self._register(seq, end // ps, (end + len(toks) - 1) // ps)
                     self._trim_pages(seq)
         if any(c.draft for c in batch.plan.chunks):
             self.spec.steps += 1
@@ -122,7 +140,7 @@ class StepBooks:
         drops its weights from the runner."""
         if seq.is_running:
             del self.running[seq.seq_id]
-            self.pages.free(seq)
+            self._free_pages(seq)
             self.waiting.stopped(seq)
             self._release_adapter(seq)
             self.spec_forget(seq)

@@ -23,6 +23,7 @@ from model.runner import ModelRunner
 from model.weights import init_random_params
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
 from tests.model import numpy_llama
+from tests.model.window_tables import window_table
 
 FAMILIES = {"llama3.1-8b": 8, "qwen2.5-7b": 4, "qwen3-8b": 8, "mistral-7b-v0.1": 8,
             "gemma3-4b": 4}
@@ -43,18 +44,21 @@ def shrunk(cfg: ModelConfig, factor: int) -> ModelConfig:
         bos_token_id=None, eos_token_ids=(1,))
 
 
-def chunk(seq, toks, start, pages, sample=True):
+def chunk(runner, seq, toks, start, pages, sample=True):
     return SeqChunk(seq_id=seq, token_ids=list(toks), start_pos=start, page_table=pages,
-                    sample=sample, sampling=SamplingParams(temperature=0.0))
+                    sample=sample, sampling=SamplingParams(temperature=0.0),
+                    window_table=window_table(runner, seq, start, start + len(toks)))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
     cfg = shrunk(PRESETS[request.param], FAMILIES[request.param])
     params = init_random_params(cfg, seed=7)
+    # (Gemma's sliding layers on pages of their own: a ring of 10 for each of 4 sequences)
     runner = ModelRunner(cfg, params, page_size=8, num_pages=48, max_context=256,
                          decode_buckets=(2,), prefill_buckets=(32,),
-                         mixed_decode_buckets=(2,), block_q=8, max_prefill_seqs=2)
+                         mixed_decode_buckets=(2,), block_q=8, max_prefill_seqs=2,
+                         window_pool=48)
     runner.warmup()
     return cfg, params, runner
 
@@ -78,8 +82,8 @@ def test_prefill_and_decode_match_the_numpy_forward(family):
     cfg, params, runner = family
     toks = np.random.default_rng(1).integers(3, cfg.vocab_size, 45).tolist()
     pages = [5, 17, 2, 30, 11, 8, 40, 23]
-    runner.step(StepPlan([chunk(0, toks[:32], 0, pages, sample=False)]))
-    res = runner.step(StepPlan([chunk(0, toks[32:], 32, pages)]), return_logits=True)
+    runner.step(StepPlan([chunk(runner, 0, toks[:32], 0, pages, sample=False)]))
+    res = runner.step(StepPlan([chunk(runner, 0, toks[32:], 32, pages)]), return_logits=True)
     ids = list(toks)
     for step in range(5):
         want = numpy_llama.forward(params, cfg, ids, last_only=True)[-1]
@@ -87,7 +91,7 @@ def test_prefill_and_decode_match_the_numpy_forward(family):
         if step == 4:
             break
         ids.append(res.sampled[0].token_id)
-        res = runner.step(StepPlan([chunk(0, ids[-1:], len(ids) - 1, pages)]),
+        res = runner.step(StepPlan([chunk(runner, 0, ids[-1:], len(ids) - 1, pages)]),
                           return_logits=True)
 
 
@@ -98,20 +102,21 @@ def test_batched_equals_alone(family):
     rng = np.random.default_rng(2)
     a, b = rng.integers(3, cfg.vocab_size, 40).tolist(), rng.integers(3, cfg.vocab_size, 9)
     pa, pb, pc = [3, 9, 14, 20, 26, 33, 38], [4, 10], [6, 12, 15, 21, 27, 34, 39]
-    runner.step(StepPlan([chunk(0, a[:32], 0, pa, sample=False)]))
-    alone_a = runner.step(StepPlan([chunk(0, a[32:], 32, pa)]), return_logits=True)
-    alone_b = runner.step(StepPlan([chunk(1, b, 0, pb)]), return_logits=True)
+    runner.step(StepPlan([chunk(runner, 0, a[:32], 0, pa, sample=False)]))
+    alone_a = runner.step(StepPlan([chunk(runner, 0, a[32:], 32, pa)]), return_logits=True)
+    alone_b = runner.step(StepPlan([chunk(runner, 1, b, 0, pb)]), return_logits=True)
     # The same prompt on other pages beside the first sequence's decode row.
-    runner.step(StepPlan([chunk(2, a[:32], 0, pc, sample=False)]))
+    runner.step(StepPlan([chunk(runner, 2, a[:32], 0, pc, sample=False)]))
     t = alone_a.sampled[0].token_id
-    both = runner.step(StepPlan([chunk(0, [t], 40, pa), chunk(2, a[32:], 32, pc)]),
-                       return_logits=True)
+    both = runner.step(StepPlan([chunk(runner, 0, [t], 40, pa),
+                                 chunk(runner, 2, a[32:], 32, pc)]), return_logits=True)
     np.testing.assert_allclose(both.logits[2], alone_a.logits[0], atol=1e-4)
     assert both.sampled[2].token_id == t
-    dec_a = runner.step(StepPlan([chunk(2, [t], 40, pc), chunk(1, [alone_b.sampled[1].token_id],
-                                                                9, pb)]), return_logits=True)
+    dec_a = runner.step(StepPlan([chunk(runner, 2, [t], 40, pc),
+                                  chunk(runner, 1, [alone_b.sampled[1].token_id], 9, pb)]),
+                        return_logits=True)
     np.testing.assert_allclose(dec_a.logits[2], both.logits[0], atol=1e-4)
-    lone_b = runner.step(StepPlan([chunk(3, b, 0, [7, 13])]), return_logits=True)
+    lone_b = runner.step(StepPlan([chunk(runner, 3, b, 0, [7, 13])]), return_logits=True)
     np.testing.assert_allclose(lone_b.logits[3], alone_b.logits[1], atol=1e-4)
 
 

@@ -14,6 +14,7 @@ import pytest
 from model.runner import ModelRunner, enable_compilation_cache
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
 from tests.model import numpy_llama
+from tests.model.window_tables import window_table
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0)
@@ -80,13 +81,18 @@ def _greedy(runner, ids, n, seq=0):
     pages = list(range(1 + 64 * seq, 65 + 64 * seq))
     for start in range(0, len(ids), 256):
         last = start + 256 >= len(ids)
-        res = runner.step(StepPlan([SeqChunk(seq, ids[start:start + 256], start, pages,
-                                             sample=last, sampling=GREEDY)]),
+        end = min(start + 256, len(ids))
+        res = runner.step(StepPlan([SeqChunk(seq, ids[start:end], start, pages,
+                                             sample=last, sampling=GREEDY,
+                                             window_table=window_table(runner, seq, start, end))]),
                           return_logits=last)
     first, out = res.logits[seq], [res.sampled[seq].token_id]
     while len(out) < n:
-        res = runner.step(StepPlan([SeqChunk(seq, out[-1:], len(ids) + len(out) - 1, pages,
-                                             sample=True, sampling=GREEDY)]))
+        pos = len(ids) + len(out) - 1
+        res = runner.step(StepPlan([SeqChunk(seq, out[-1:], pos, pages, sample=True,
+                                             sampling=GREEDY,
+                                             window_table=window_table(runner, seq, pos,
+                                                                       pos + 1))]))
         out.append(res.sampled[seq].token_id)
     return out, first
 

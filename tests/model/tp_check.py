@@ -23,6 +23,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.runner import ModelRunner
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
+from tests.model.window_tables import window_table
 
 ADAPTERS = ("a", "b")
 FORMATS = {  # name: (quantization, kv_cache_dtype, LoRA slots)
@@ -47,7 +48,8 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int,
     greedy = SamplingParams(temperature=0.0)
     out = [[] for _ in prompts]
     logits = []
-    plan = StepPlan([SeqChunk(i, p, 0, tables[i], True, greedy, adapter_slot=slots[i])
+    plan = StepPlan([SeqChunk(i, p, 0, tables[i], True, greedy, adapter_slot=slots[i],
+                              window_table=window_table(runner, i, 0, len(p)))
                      for i, p in enumerate(prompts)], adapter_loads=list(loads))
     for s in range(steps):
         res = runner.step(plan, return_logits=True)
@@ -56,7 +58,9 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int,
         for i in range(len(prompts)):
             out[i].append(res.sampled[i].token_id)
         plan = StepPlan([SeqChunk(i, [out[i][-1]], len(prompts[i]) + s, tables[i], True,
-                                  greedy, num_generated=s + 1, adapter_slot=slots[i])
+                                  greedy, num_generated=s + 1, adapter_slot=slots[i],
+                                  window_table=window_table(runner, i, len(prompts[i]) + s,
+                                                            len(prompts[i]) + s + 1))
                          for i in range(len(prompts))])
     return out, logits
 

@@ -22,6 +22,13 @@ a dict of files by key, their meta beside them) and runs a plan's `swap_out` and
 `swap_in` before its copies, as the real runner does: a page copied up from the wrong
 slot, or a slot reused before it was read, changes the output too.
 
+Sliding-window pages: with `limits.window_pool`, the fake keeps a second pool for the
+sliding layers' own pages (scheduler/window_pages.py): each chunk writes its tokens there
+too, through its `window_table`, the plan's `window_copies` run on it, and every sampling
+query checks that the sliding pool holds, for each key of its window, the token the
+global pool holds: a page released too early, reused while still seen, or a wrong window
+tail taken as a prefix hit fails the step.
+
 LoRA adapters: the fake holds `adapter_slots` slots, filled by the plan's
 `adapter_loads`; a chunk's tokens run under the adapter its slot holds *now*, which adds
 `adapter_offset(name)` to the rule's token. A sequence whose slot was given to another
@@ -64,6 +71,7 @@ class ChunkRecord:
     adapter_slot: int = -1
     pending: bool = False  # its token came from the step before (resolved here)
     draft: int = 0  # a speculative verify: its last `draft` tokens are proposals
+    window_table: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class PlanRecord:
     chunks: tuple[ChunkRecord, ...]
     copies: tuple[tuple[int, int], ...]
     adapter_loads: tuple[tuple[int, str], ...] = ()
+    window_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +137,8 @@ class FakeRunner:
         self._limits = limits
         self.rule = rule or sum_rule(vocab)
         self.pool: list[list[int | None]] = [[None] * page_size for _ in range(num_pages)]
+        self.window_pool: list[list[int | None]] = [
+            [None] * page_size for _ in range(limits.window_pool)]
         self.plans: list[PlanRecord] = []
         self.fail_next = 0  # raise in the next N steps
         self.on_step: Callable[[StepPlan], None] | None = None  # runs in the worker thread
@@ -183,9 +194,11 @@ class FakeRunner:
             chunks=tuple(ChunkRecord(c.seq_id, c.start_pos,
                                      (last[c.seq_id],) if c.pending else tuple(c.token_ids),
                                      tuple(c.page_table), c.sample, c.num_generated,
-                                     c.adapter_slot, c.pending, c.draft)
+                                     c.adapter_slot, c.pending, c.draft,
+                                     tuple(c.window_table))
                          for c in plan.chunks),
-            copies=tuple(plan.copies), adapter_loads=tuple(plan.adapter_loads))
+            copies=tuple(plan.copies), adapter_loads=tuple(plan.adapter_loads),
+            window_copies=tuple(plan.window_copies))
         self.plans.append(rec)
         if self.on_step is not None:
             self.on_step(plan)
@@ -204,6 +217,9 @@ class FakeRunner:
             self.pool[page] = list(store.host[slot])
         for src, dst in rec.copies:
             self.pool[dst] = list(self.pool[src])
+        wpool, window = self.window_pool, self._limits.window
+        for src, dst in rec.window_copies:
+            wpool[dst] = list(wpool[src])
         for slot, name in rec.adapter_loads:
             assert 0 <= slot < self.adapter_slots, (slot, self.adapter_slots)
             if self.registered is not None and name not in self.registered:
@@ -214,6 +230,8 @@ class FakeRunner:
             for i, t in enumerate(c.token_ids):
                 pos = c.start_pos + i
                 self.pool[c.page_table[pos // ps]][pos % ps] = t
+                if wpool:
+                    wpool[c.window_table[pos // ps]][pos % ps] = t
             if c.sample:
                 end = c.start_pos + len(c.token_ids)
                 adapter = None
@@ -225,6 +243,11 @@ class FakeRunner:
                 for last in range(end - c.draft, end + 1):
                     ctx = [self.pool[c.page_table[p // ps]][p % ps] for p in range(last)]
                     assert None not in ctx, f"seq {c.seq_id} reads a slot never written"
+                    for p in range(max(0, last - window), last if wpool else 0):
+                        page = c.window_table[p // ps]
+                        assert page and wpool[page][p % ps] == ctx[p], (
+                            f"seq {c.seq_id}: sliding page {page} holds "
+                            f"{wpool[page][p % ps]} at {p}, not {ctx[p]}")
                     token = (self.rule(ctx) + adapter_offset(adapter)) % self.vocab
                     toks.append(SampledToken(token_id=token, logprob=-1.0 - len(toks)))
                 sampled[c.seq_id] = toks[0]
@@ -259,6 +282,11 @@ class FakeRunner:
             assert len(c.page_table) * ps >= end, "page table does not cover the chunk"
             assert end <= self.max_context
             assert all(0 < p < self.num_pages for p in c.page_table), c.page_table
+            if self.window_pool:
+                wt = c.window_table
+                assert len(wt) == len(c.page_table) or len(wt) * ps >= end, wt
+                assert all(0 <= p < len(self.window_pool) for p in wt), wt
+                assert all(wt[p // ps] for p in range(c.start_pos, end)), (c, wt)
             written = {c.page_table[p // ps] for p in range(c.start_pos, end)}
             for other in rec.chunks:
                 if other is not c:

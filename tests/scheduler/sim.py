@@ -90,3 +90,6 @@ class Sim:
 
     def check(self) -> None:
         self.sched.pages.check([s.kv_pages for s in self.sched.running.values()])
+        if self.sched.window is not None:
+            problems = self.sched.window.audit(self.sched.running.values())
+            assert not problems, problems

@@ -127,3 +127,35 @@ TieredPolicyMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestTieredPolicy = TieredPolicyMachine.TestCase
+
+
+class WindowedPolicyMachine(PolicyMachine):
+    """The same for a model with sliding-window layers whose pages are their own
+    (scheduler/window_pages.py): a window of 6 keys, 15 sliding pages for up to 3
+    sequences, n-gram proposals verified and trimmed. The fake runner writes a second
+    pool through the sliding tables and checks at every sampled position that each key
+    of its window is there: a page released too early, reused while seen or a wrong
+    window tail taken as a hit changes or fails the step."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        limits = StepLimits(max_decode_seqs=6, max_prefill_seqs=2, max_prefill_chunk=6,
+                            max_prefill_tokens=8, window=6, window_pool=16)
+        runner = FakeRunner(page_size=4, num_pages=17, vocab=50, adapter_slots=2,
+                            limits=limits)
+        self.sim = Sim(runner, SchedulerConfig(max_step_tokens=10, max_running=6,
+                                               kv_reserve_pages=1, speculative="ngram"))
+        assert self.sim.sched.max_running == 3  # 15 usable pages, 5 a sequence at most
+
+    def teardown(self):
+        super().teardown()
+        window = self.sim.sched.window
+        assert window.alloc.num_in_use == 0
+        assert all(s.window_pages == [] for s in self.sim.seqs.values())
+        assert window.most_held <= window.per_seq
+
+
+WindowedPolicyMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestWindowedPolicy = WindowedPolicyMachine.TestCase
