@@ -2,10 +2,11 @@
 `model`: the shipped config/two-models.toml is valid, and a real server on two tiny
 random models of different families (Llama and Gemma 3, sliding window included) streams
 both at once to the official openai client, each answer from its own pool, every page
-back in its pool at the end."""
+back in its pool at the end; /v1/stats shows Gemma's sliding pages within their bound."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import trio
 
@@ -59,3 +60,13 @@ async def test_two_models_stream_at_once_each_from_its_own_pool():
         for p in pools.values():
             assert sum(s.kv_pages_in_use for s in p.stats()) == 0
         await client.close()
+        # Gemma's sliding layers keep pages of their own, bounded by the window: /v1/stats
+        # shows them (scheduler/window_pages.py); Llama has none.
+        async with httpx.AsyncClient(base_url=url) as http:
+            body = (await http.get("/v1/stats", params={"audit": 1})).json()
+        stats = {p["name"]: p for p in body["pools"]}
+        win = stats["gemma"]["kv_window"]
+        assert stats["llama"]["kv_window"] is None
+        assert win["window"] == 16 and win["total"] > 0 and win["in_use"] == 0
+        assert 0 < win["most_pages_held_ever"] <= win["max_pages_per_seq"]
+        assert stats["gemma"]["kv_pages"]["audit_problems"] == []

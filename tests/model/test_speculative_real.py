@@ -52,13 +52,15 @@ def runner():
 
 
 async def generate(runner, reqs, *, speculative: str, concurrent: bool, detok=None,
-                   max_running: int = 6, proposer=None):
-    """Each request's (tokens, logprobs, final event) and the speculation stats."""
+                   max_running: int = 6, proposer=None, seen: list | None = None,
+                   overlap: bool = False):
+    """Each request's (tokens, logprobs, final event) and the speculation stats; the
+    engine's last stats appended to `seen`."""
     # 6 streams: the 16-row decode bucket leaves rows for their proposals. No overlap
     # (tests/scheduler covers it with proposals).
     cfg = SchedulerConfig(speculative=speculative, ttft_target_s=0.0, max_running=max_running,
                           draft_model="draft" if speculative == "draft" else None,
-                          overlap=False,
+                          overlap=overlap,
                           max_step_tokens=80, queue_deadline_s=600.0, max_waiting=1000,
                           kv_reserve_pages=2)
     engine = Engine(runner, detok or Detok(), cfg, proposer=proposer)
@@ -90,6 +92,9 @@ async def generate(runner, reqs, *, speculative: str, concurrent: bool, detok=No
         spec = engine.scheduler.spec_stats()
         nursery.cancel_scope.cancel()
     assert stats.kv_audit == [] and stats.kv_pages_in_use == 0
+    assert not stats.kv_window or stats.kv_window["pages_in_use"] == 0
+    if seen is not None:
+        seen.append(stats)
     assert all(isinstance(o[2], FinishEvent) for o in out), [o[2] for o in out]
     return out, spec
 
