@@ -115,7 +115,7 @@ def draft_proposers(cfg: PoolConfig, config, groups, warmup: str,
                          f"{config.vocab_size}: a draft must share the tokenizer")
     shape = msgspec.structs.replace(cfg, kv_cache_bytes=max(cfg.kv_cache_bytes // 4, 1 << 20),
                                     kv_host_bytes=0, kv_disk_dir=None, max_loras=0,
-                                    adapters=[])
+                                    adapters=[], window_pages=False)  # (its own page tables)
     out = []
     for group in groups:
         runner = ModelRunner.for_pool(draft.config, draft.params, shape, devices=group)

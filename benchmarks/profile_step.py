@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from config.settings import PoolConfig
-from model.bench import median_time
+from model.bench import median_time, window_table
 from model.llama import _per_layer, head_logits
 from model.packing import pack, split
 from model.quant import Int8Matrix, BlockMatrix, linear
@@ -86,7 +86,9 @@ class Profiler:
             table = list(head) + list(np.roll(own, i * max(1, len(own) // rows)))
             chunks.append(SeqChunk(seq_id=i, token_ids=[5], start_pos=context,
                                    page_table=table, sample=True,
-                                   sampling=SamplingParams(temperature=0.0)))
+                                   sampling=SamplingParams(temperature=0.0),
+                                   window_table=window_table(self.runner, i, context,
+                                                             context + 1)))
         return StepPlan(chunks)
 
     def mixed_plan(self, rows: int, context: int) -> StepPlan:
@@ -96,7 +98,8 @@ class Profiler:
         table = list(range(1, 2000 // ps + 1)) + list(range(2000 // ps + 1, n + 1))
         plan.chunks.append(SeqChunk(seq_id=99, token_ids=[7] * 256, start_pos=2000,
                                     page_table=table, sample=True,
-                                    sampling=SamplingParams(temperature=0.0)))
+                                    sampling=SamplingParams(temperature=0.0),
+                                    window_table=window_table(self.runner, rows, 2000, 2256)))
         return plan
 
     # -- parts --------------------------------------------------------------------------
@@ -155,7 +158,7 @@ class Profiler:
         def host():
             layout = pack(dec, pf, bucket, page_size=r.page_size, block_q=r.block_q,
                           pages_per_seq=r.pool.pages_per_seq,
-                          n_samples=r._sample_rows(bucket))
+                          n_samples=r._sample_rows(bucket), windowed=bool(r.window_pool))
             return layout, r._batch(layout, [])
 
         t_host = timed(host, self.repeats)

@@ -264,6 +264,10 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_host_bytes: NonNegative = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: NonNegative = 4 * 1024 * 1024 * 1024
+    # Sliding-window layers (Gemma 3) on KV pages of their own, freed past the window
+    # (docs/operations.md, "Sliding windows"): the global layers get the memory they
+    # leave. false: every layer on the one pool, as with the KV tiers (which need it).
+    window_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.devices is not None:

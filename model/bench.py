@@ -58,11 +58,31 @@ def _plan(chunks):
     return StepPlan(chunks=chunks)
 
 
-def _chunk(seq_id, tokens, start, pages):
+def window_table(runner, seq: int, start: int, end: int) -> list[int]:
+    """Sequence `seq`'s sliding page table for a chunk of positions ``[start, end)`` in a
+    plan built by hand (here, benchmarks/, tests), where the runner gives its sliding
+    layers pages of their own (`ModelRunner.window_pool`; empty where it does not). With
+    no scheduler to keep one (scheduler/window_pages.py), each sequence takes a ring of
+    the window pool's pages, enough for a window and the largest prefill bucket: a
+    position's page is its turn of the ring, and pages before the window of the chunk's
+    first query are 0, as the scheduler leaves released pages."""
+    if not runner.window_pool:
+        return []
+    ps = runner.page_size
+    ring = (runner.pool.window + runner.prefill_buckets[-1]) // ps + 3
+    if (seq + 1) * ring >= runner.window_pool:
+        raise ValueError(f"seq {seq}: the window pool ({runner.window_pool} pages) holds "
+                         f"no ring of {ring} pages for it")
+    first = max(0, start - runner.pool.window + 1) // ps
+    return [0 if i < first else 1 + seq * ring + i % ring for i in range(-(-end // ps))]
+
+
+def _chunk(runner, seq_id, tokens, start, pages):
     from scheduler.protocol import SamplingParams, SeqChunk
 
     return SeqChunk(seq_id=seq_id, token_ids=tokens, start_pos=start, page_table=pages,
-                    sample=True, sampling=SamplingParams(temperature=0.0))
+                    sample=True, sampling=SamplingParams(temperature=0.0),
+                    window_table=window_table(runner, seq_id, start, start + len(tokens)))
 
 
 def bench_prefill(runner, n_tokens: int, chunk: int, rng) -> float:
@@ -73,7 +93,7 @@ def bench_prefill(runner, n_tokens: int, chunk: int, rng) -> float:
     for _ in range(3):
         t = time.perf_counter()
         for s in range(0, n_tokens, chunk):
-            runner.step(_plan([_chunk(0, toks[s:s + chunk], s, pages)]))
+            runner.step(_plan([_chunk(runner, 0, toks[s:s + chunk], s, pages)]))
         times.append(time.perf_counter() - t)
     return n_tokens / statistics.median(times)
 
@@ -87,7 +107,8 @@ def bench_decode(runner, batch: int, context: int, steps: int, rng) -> float:
     last = rng.integers(10, runner.config.vocab_size, batch).tolist()
 
     def one(pos):
-        return runner.step(_plan([_chunk(i, [last[i]], pos, tables[i]) for i in range(batch)]))
+        return runner.step(_plan([_chunk(runner, i, [last[i]], pos, tables[i])
+                                  for i in range(batch)]))
 
     for w in range(2):
         one(context + w)

@@ -258,7 +258,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                    kv_disk_dir=pool.kv_disk_dir and os.path.join(
                        os.path.expanduser(pool.kv_disk_dir),
                        *([f"replica-{replica}"] if replica is not None else [])),
-                   kv_disk_bytes=pool.kv_disk_bytes)
+                   kv_disk_bytes=pool.kv_disk_bytes, window_pool=pool.window_pages)
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:

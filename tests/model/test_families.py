@@ -23,7 +23,7 @@ from model.runner import ModelRunner
 from model.weights import init_random_params
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
 from tests.model import numpy_llama
-from tests.model.window_tables import window_table
+from model.bench import window_table
 
 FAMILIES = {"llama3.1-8b": 8, "qwen2.5-7b": 4, "qwen3-8b": 8, "mistral-7b-v0.1": 8,
             "gemma3-4b": 4}

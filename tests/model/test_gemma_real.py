@@ -14,7 +14,7 @@ import pytest
 from model.runner import ModelRunner, enable_compilation_cache
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
 from tests.model import numpy_llama
-from tests.model.window_tables import window_table
+from model.bench import window_table
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0)

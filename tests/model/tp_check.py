@@ -23,7 +23,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.runner import ModelRunner
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan
-from tests.model.window_tables import window_table
+from model.bench import window_table
 
 ADAPTERS = ("a", "b")
 FORMATS = {  # name: (quantization, kv_cache_dtype, LoRA slots)
