@@ -102,6 +102,10 @@ class _EngineCollector:
         usage = gauge("kv_cache_usage_perc", "Fraction of KV pages held by live sequences (0-1).")
         in_use = gauge("kv_pages_in_use", "KV pages held by live sequences (0 when idle).")
         total = gauge("kv_pages_total", "Usable KV pages (the null page excluded).")
+        # Sliding-window layers' own pages (scheduler/window_pages.py; only pools with them).
+        win_in_use = gauge("kv_window_pages_in_use", "Sliding layers' own KV pages held by "
+                           "live sequences (each within its window's bound).")
+        win_total = gauge("kv_window_pages_total", "Sliding layers' own usable KV pages.")
         busy = gauge("engine_busy_fraction", "Share of uptime spent in runner steps.")
         busy_s = counter("engine_busy_seconds", "Seconds spent in runner steps (rate() = busy).")
         queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -231,6 +235,9 @@ class _EngineCollector:
             for s in stats:
                 for reason, n in s.rejections.items():
                     reasons[(pool.model_name, pool.name, reason)] += n
+            if any(s.kv_window for s in stats):
+                win_in_use.add_metric(lv, sum(s.kv_window.get("pages_in_use", 0) for s in stats))
+                win_total.add_metric(lv, sum(s.kv_window.get("pages", 0) for s in stats))
             if any(s.kv_tiers for s in stats):
                 _kv_tiers(stats, lv, tier_families)
             if pool.config.scheduler.speculative != "off":
@@ -246,7 +253,7 @@ class _EngineCollector:
         yield from (running, waiting, oldest, usage, in_use, total, busy, busy_s, queries,
                     hits, preempt, prompt, gen, rejected, real, padded, warming, ttft_target,
                     itl_target, plans, ttft_factor, prediction, host, compute, idle,
-                    *tier_families, *spec_families, lora_info,
+                    win_in_use, win_total, *tier_families, *spec_families, lora_info,
                     lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
 

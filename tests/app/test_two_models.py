@@ -70,3 +70,7 @@ async def test_two_models_stream_at_once_each_from_its_own_pool():
         assert win["window"] == 16 and win["total"] > 0 and win["in_use"] == 0
         assert 0 < win["most_pages_held_ever"] <= win["max_pages_per_seq"]
         assert stats["gemma"]["kv_pages"]["audit_problems"] == []
+        async with httpx.AsyncClient(base_url=url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'sluice:kv_window_pages_in_use{model="gemma",pool="gemma"} 0.0' in metrics
+        assert 'kv_window_pages_total{model="llama"' not in metrics
