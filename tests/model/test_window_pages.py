@@ -27,7 +27,7 @@ def runners():
 
     def make(own):
         r = ModelRunner(CFG, params, page_size=8, num_pages=300, max_context=1024,
-                        decode_buckets=(1, 4, 8), prefill_buckets=(32, 64), block_q=8,
+                        decode_buckets=(1, 8), prefill_buckets=(64,), block_q=8,
                         max_prefill_seqs=2, dtype="float32", window_pool=own)
         r.warmup()
         return r
