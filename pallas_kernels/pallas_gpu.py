@@ -87,9 +87,11 @@ def _attend_key_blocks(
     block_k: int,
     scale_log2: float,
     precision,
+    window: int = 0,
 ):
     """Online softmax over key blocks [kb_start, kb_end). Returns (m, l, acc): the running
-    max (log2 units), the running sum and the unnormalised output, all float32."""
+    max (log2 units), the running sum and the unnormalised output, all float32. `window`
+    > 0: a query sees only the `window` keys ending at its own."""
     rows, head_dim = q.shape
     last_page = k_ref.shape[0] - 1
     # Never past the (padded) page table, even if a context length overstates it.
@@ -107,6 +109,8 @@ def _attend_key_blocks(
                             preferred_element_type=jnp.float32)  # [rows, block_k]
         s = s * scale_log2
         mask = (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        if window:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
@@ -140,6 +144,7 @@ def _ragged_kernel(
     block_k: int,
     scale_log2: float,
     precision,
+    window: int = 0,
 ):
     seq, q_block = pl.program_id(0), pl.program_id(2)
     block_q, group, head_dim = q_ref.shape
@@ -156,10 +161,17 @@ def _ragged_kernel(
     valid = jnp.clip(query_len - first_q, 0, block_q)
     kv_end = jnp.where(valid > 0, context_len - query_len + first_q + valid, 0)
 
+    # A sliding window: key blocks before the block's first query's window are skipped.
+    kb_start = 0
+    if window:
+        first_pos = context_len - query_len + first_q
+        kb_start = jnp.maximum(first_pos - window + 1, 0) // block_k
+
     q = q_ref[...].reshape(rows, head_dim)
     _, l, acc = _attend_key_blocks(
-        q, q_pos, row_ok, k_ref, v_ref, pt_ref, 0, pl.cdiv(kv_end, block_k),
-        page_size=page_size, block_k=block_k, scale_log2=scale_log2, precision=precision)
+        q, q_pos, row_ok, k_ref, v_ref, pt_ref, kb_start, pl.cdiv(kv_end, block_k),
+        page_size=page_size, block_k=block_k, scale_log2=scale_log2, precision=precision,
+        window=window)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # padding rows: 0 / 1
     o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
@@ -181,23 +193,27 @@ def _decode_kernel(
     block_k: int,
     scale_log2: float,
     precision,
+    window: int = 0,
 ):
     seq, split = pl.program_id(0), pl.program_id(2)
     splits = pl.num_programs(2)
     group, _ = q_ref.shape
     query_len = query_lens_ref[seq]
-    # The one query sits at context_len - 1 and sees every key before it.
+    # The one query sits at context_len - 1 and sees every key before it (with a sliding
+    # window, the last `window`: the splits share the blocks from the window's first).
     kv_len = jnp.where(query_len > 0, context_lens_ref[seq] - query_len + 1, 0)
     blocks = pl.cdiv(kv_len, block_k)
-    per_split = pl.cdiv(blocks, splits)
-    kb_start = jnp.minimum(split * per_split, blocks)
+    lo = jnp.maximum(kv_len - window, 0) // block_k if window else 0
+    per_split = pl.cdiv(blocks - lo, splits)
+    kb_start = jnp.minimum(lo + split * per_split, blocks)
     kb_end = jnp.minimum(kb_start + per_split, blocks)
 
     q_pos = jnp.full((group,), kv_len - 1, jnp.int32)
     row_ok = jnp.full((group,), True)
     m, l, acc = _attend_key_blocks(
         q_ref[...], q_pos, row_ok, k_ref, v_ref, pt_ref, kb_start, kb_end,
-        page_size=page_size, block_k=block_k, scale_log2=scale_log2, precision=precision)
+        page_size=page_size, block_k=block_k, scale_log2=scale_log2, precision=precision,
+        window=window)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -232,6 +248,7 @@ class _Paged(NamedTuple):
     scale: float
     precision: Any
     interpret: bool
+    window: int = 0  # > 0: a sliding window of that many keys
 
 
 def _paged_call(kernel, p: _Paged, q, q_spec, *, grid, out_specs, out_shape, name: str):
@@ -242,7 +259,8 @@ def _paged_call(kernel, p: _Paged, q, q_spec, *, grid, out_specs, out_shape, nam
     num_pages, page_size, _, d = p.k_pages.shape
     pps = p.page_tables.shape[1]
     kernel = functools.partial(kernel, page_size=page_size, block_k=p.sizes.block_k,
-                               scale_log2=p.scale * _LOG2E, precision=p.precision)
+                               scale_log2=p.scale * _LOG2E, precision=p.precision,
+                               window=p.window)
     kv_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda s, h, j: (0, 0, h, 0))
     return pl.pallas_call(
         kernel,
@@ -361,7 +379,7 @@ def _validate(q, k_pages, v_pages, page_tables, context_lens, query_lens, scale)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "sizes", "splits"),
+    static_argnames=("scale", "interpret", "sizes", "splits", "window"),
 )
 def paged_attention_pallas(
     q,  # [seqs, queries, heads, head_dim]
@@ -375,9 +393,12 @@ def paged_attention_pallas(
     *,
     sizes: bs.BlockSizes | None = None,
     splits: int | None = None,
+    window: int = 0,
 ):
     """Causal paged attention; same arguments and result as `reference.paged_attention_dense`:
-    [seqs, queries, heads, head_dim] in q's dtype, zeros on padding rows.
+    [seqs, queries, heads, head_dim] in q's dtype, zeros on padding rows. `window` > 0: a
+    sliding window, each query over the `window` keys ending at its own (key blocks
+    before it are not read).
 
     `sizes` overrides the block-size table (`block_sizes.block_sizes`); `splits` forces the
     decode path's number of splits (only with one query per sequence; 1 runs the ragged
@@ -401,7 +422,7 @@ def paged_attention_pallas(
     pps_pad = -(-key_blocks * block_k // page_size)
     page_tables = jnp.pad(page_tables, ((0, 0), (0, pps_pad - pps)))
     paged = _Paged(k_pages, v_pages, page_tables, context_lens, query_lens, sizes, scale,
-                   precision, interpret)
+                   precision, interpret, int(window))
 
     if splits is None and queries == 1:
         splits = bs.decode_splits(seqs, kvh, pps * page_size, sizes)
@@ -436,6 +457,14 @@ class PallasBackend(AttentionBackend):
         tables, context_lens, query_lens = meta
         return paged_attention_pallas(q, k_pool, v_pool, tables + self.page_offset(layer),
                                       context_lens, query_lens, interpret=self.interpret)
+
+    def attend_window(self, q, k_pool, v_pool, layer, meta, state):
+        """A sliding layer through the same kernels over the row's windowed table
+        (`WindowMeta`), the keys before each query's window masked."""
+        tables = meta.page_tables + self.page_offset(layer)
+        return paged_attention_pallas(q, k_pool, v_pool, tables, meta.context_lens,
+                                      meta.query_lens, interpret=self.interpret,
+                                      window=self.pool.window)
 
 
 class PallasInterpretBackend(PallasBackend):

@@ -144,6 +144,33 @@ def test_matches_reference(name, interpret):
     assert not out[pad].any()
 
 
+WINDOWED = {  # (case, window): decode with and without splits, prompts, chunks
+    "decode-w5": ("decode-len1-and-page-edges", 5),
+    "decode-split3-w20": ("decode-split3", 20),
+    "decode-split4-w16-bf16": ("decode-split4-bf16", 16),
+    "prefill-w7": ("prefill-p8", 7),
+    "chunk-mid-page-w9": ("chunk-mid-page", 9),
+    "ragged-mixed-w4": ("ragged-mixed", 4),
+    "page-size-16-block-64-w33": ("page-size-16-block-64-gqa8", 33),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_a_sliding_window_matches_reference(name, interpret):
+    """`window`: each query over the keys of its window only (the key blocks before it
+    skipped), as the dense reference's `window` (the sliding layers' kernel on a GPU)."""
+    case, window = CASES[WINDOWED[name][0]], WINDOWED[name][1]
+    args = _make_inputs(case, seed=1)
+    queries = args[0].shape[1]
+    out = paged_attention_pallas(*args, interpret=interpret, sizes=_sizes(case, queries),
+                                 splits=case.splits, window=window)
+    with jax.default_matmul_precision("highest"):
+        ref = _dense(*args, window=window)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(out, ref, **TOLERANCE[case.dtype])
+    assert not np.allclose(ref, np.asarray(paged_attention_dense(*args), np.float32))
+
+
 def test_scale(interpret):
     """An explicit scale reaches the scores: scaling q by c is the same as scale c/sqrt(d)."""
     case = CASES["chunk-mid-page"]
@@ -227,6 +254,9 @@ TRITON_SHAPES = {
     "prefill-f32": (2, 128, None, jnp.float32, 16, 1024, 64, 8, 4),
     "odd-shapes": (3, 5, None, jnp.bfloat16, 5, 37, 7, 3, 3),
     "odd-shapes-decode-split": (3, 1, 3, jnp.float32, 12, 37, 7, 2, 3),
+    # sliding windows (Gemma 3's 512 keys): the window's mask and first key block
+    "decode-split-window": (4, 1, 4, jnp.bfloat16, 16, 1024, 64, 8, 4, 512),
+    "chunk-window": (4, 48, None, jnp.bfloat16, 16, 1024, 64, 8, 4, 512),
 }
 
 
@@ -241,13 +271,14 @@ def test_lowers_to_triton_ir(name):
         jaxlib_version = (999,)
     if tuple(jaxlib_version) > (0, 10, 2) and not ON_GPU:
         pytest.skip("this jaxlib compiles Triton at lowering time: needs a GPU")
-    seqs, queries, splits, dtype, ps, pages, pps, kvh, group = TRITON_SHAPES[name]
+    seqs, queries, splits, dtype, ps, pages, pps, kvh, group, *window = TRITON_SHAPES[name]
     d = 128
     spec = jax.ShapeDtypeStruct
     args = (spec((seqs, queries, kvh * group, d), dtype), spec((pages, ps, kvh, d), dtype),
             spec((pages, ps, kvh, d), dtype), spec((seqs, pps), jnp.int32),
             spec((seqs,), jnp.int32), spec((seqs,), jnp.int32))
-    f = jax.jit(functools.partial(paged_attention_pallas, splits=splits))
+    f = jax.jit(functools.partial(paged_attention_pallas, splits=splits,
+                                  window=window[0] if window else 0))
     traced = f.trace(*args)
     lowered = traced.lower() if ON_GPU else traced.lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
