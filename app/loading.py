@@ -12,6 +12,7 @@ while it serves, and /health, /metrics and the ready line say how many are left.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import trio
@@ -19,6 +20,8 @@ import trio
 from config.settings import PoolConfig, Settings
 
 from .pools import Pool
+
+log = logging.getLogger("sluice.loading")
 
 
 def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | None = None,
@@ -43,7 +46,8 @@ def build_pool(cfg: PoolConfig, show_progress: bool = True, *, warmup: str | Non
     if multihost.active():
         check_multihost([cfg])
     warmup = warmup or cfg.warmup
-    loaded = load_model(cfg.model, progress=show_progress)
+    loaded = load_model(cfg.model, progress=show_progress, shards=process_shards(cfg))
+    log_read(loaded)
     if loaded.tokenizer is None:
         raise ValueError(f"pool {cfg.name!r}: {cfg.model} has no tokenizer to serve text with")
     tokenizer, config = loaded.tokenizer, loaded.config
@@ -186,13 +190,42 @@ def run_follower(settings: Settings) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     enable_compilation_cache()
-    loaded = load_model(cfg.model, progress=False)
+    loaded = load_model(cfg.model, progress=False, shards=process_shards(cfg))
+    log_read(loaded)
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else ()
     runner = ModelRunner.for_pool(loaded.config, loaded.params, cfg, eos_token_ids=eos,
                                   devices=device_groups(cfg)[0])
     del loaded
     runner.precompile_in_background()
     return Follower().serve(runner)
+
+
+def process_shards(cfg: PoolConfig):
+    """For a multi-host replica's process: `shards(config)`, the slices of an orbax
+    checkpoint's split tensors its devices hold (model/loaders/orbax_ckpt.py), or None
+    where the tensors split only after padding (then it reads them whole). None: not
+    multi-host."""
+    from model import multihost
+
+    if not multihost.active() or cfg.tensor_parallel == 1:
+        return None
+    import jax
+
+    from model.loaders.orbax_ckpt import Shards
+    from model.runner import ModelRunner
+
+    group = device_groups(cfg)[0]
+    mine = tuple(j for j, d in enumerate(group) if d.process_index == jax.process_index())
+    tp = ModelRunner.tensor_parallel(group, cfg.quantization, cfg.dtype)
+    return lambda config: (Shards(len(group), mine)
+                           if tp.padded_config(config) == config else None)
+
+
+def log_read(loaded) -> None:
+    if loaded.read_bytes is not None:
+        done, total = loaded.read_bytes
+        log.info("read %.1f of %.1f MB of %s: this process's shards", done / 1e6,
+                 total / 1e6, loaded.source)
 
 
 def adapter_reader(config, cfg: PoolConfig) -> Callable[[str, str], Any] | None:

@@ -27,6 +27,9 @@ class LoadedModel:
     params: dict  # the tree described in model/config.py
     tokenizer: "Tokenizer | None"
     source: str
+    # (bytes read, bytes stored) where a loader read only part of its source (an orbax
+    # checkpoint's shards: model/loaders/orbax_ckpt.py); None: all of it.
+    read_bytes: tuple[int, int] | None = None
 
 
 # ---- the parameter tree ------------------------------------------------------------------

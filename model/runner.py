@@ -116,9 +116,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         tp_n = len(devices) if devices else 1
         self.dtype = resolve_dtype(dtype)
         quantization = weight_format(quantization, self.dtype)
-        # The native packed weights' blocks: 32 input values never straddle two devices.
-        self.tp = TensorParallel(tuple(devices), in_multiple=(
-            32 if quantization in NATIVE_WEIGHTS else 1)) if devices else None
+        self.tp = self.tensor_parallel(devices, quantization) if devices else None
         if tp_n > 1 and attention in (None, "cpu"):
             # The jnp cascade's prefix copy is device state kept across steps, which is not
             # sharded (the native kernels keep none: they read the pool's pages in place).
@@ -224,6 +222,17 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         self.programs = Programs(self.buckets(), self._build)
         self._prev_width = max((self._sample_rows(b) for b in self.programs.all), default=1)
         self._prev_tokens = np.zeros(self._prev_width, np.int32)
+
+    @staticmethod
+    def tensor_parallel(devices: Sequence[Any], quantization: str,
+                        dtype: str | None = None) -> TensorParallel:
+        """The tensor parallelism a runner over `devices` uses for weights in
+        `quantization` (with `dtype`: as a pool names them, resolved first): the native
+        packed weights' blocks of 32 input values never straddle two devices."""
+        if dtype is not None:
+            quantization = weight_format(quantization, resolve_dtype(dtype))
+        return TensorParallel(tuple(devices), in_multiple=(
+            32 if quantization in NATIVE_WEIGHTS else 1))
 
     @classmethod
     def for_pool(cls, config: ModelConfig, params: dict, pool, *,

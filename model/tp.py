@@ -152,7 +152,11 @@ class TensorParallel:
 
         def place(name: str, host: np.ndarray):
             spec = spec_for(name, host.ndim, feature_major=feature_major)
-            return jax.device_put(host, self.sharding(spec))
+            # Each device's slice from the host array: a process of a multi-host replica
+            # may hold only its own slices (an orbax checkpoint's shards, zero elsewhere).
+            host = np.asarray(host)
+            return jax.make_array_from_callback(host.shape, self.sharding(spec),
+                                                lambda idx: host[idx])
 
         return place
 

@@ -86,11 +86,14 @@ def _uniform(rng: np.random.Generator, shape, mean: float, std: float, dt: np.dt
 # ---- dispatch ----------------------------------------------------------------------------
 
 
-def load_model(source: str, progress: bool = True, *, seed: int = 0, dtype=None) -> LoadedModel:
+def load_model(source: str, progress: bool = True, *, seed: int = 0, dtype=None,
+               shards=None) -> LoadedModel:
     """Load `source` (see the module docstring).
 
     `dtype` defaults to float32, except for orbax checkpoints, which keep what was saved.
-    `seed` is for random presets (an inline `,seed=N` wins).
+    `seed` is for random presets (an inline `,seed=N` wins). `shards(config)`: what one
+    process of a multi-host replica reads of an orbax checkpoint's split tensors
+    (loaders/orbax_ckpt.py `Shards`; other formats are read whole).
     """
     if source == "embedded" or source.startswith("embedded:"):
         from .fetch import DEFAULT, fetch_embedded_model
@@ -117,7 +120,7 @@ def load_model(source: str, progress: bool = True, *, seed: int = 0, dtype=None)
     from .loaders.orbax_ckpt import CONFIG_FILE, load_orbax
 
     if (path / CONFIG_FILE).is_file():
-        return load_orbax(path, progress, dtype=dtype)
+        return load_orbax(path, progress, dtype=dtype, shards=shards)
     if (path / "config.json").is_file():
         from .loaders.hf import load_hf
 

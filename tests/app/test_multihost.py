@@ -1,7 +1,8 @@
 """Issue 18 point 3: one TP=2 replica over two processes (`jax.distributed` on the CPU,
 gloo collectives), real `sluice serve` processes on a tiny random model:
 - requests through process 0's HTTP endpoint give the answers of a one-process TP=1
-  server, token for token (and their logprobs within 1e-4);
+  server, token for token (and their logprobs within 1e-4), the replica's processes
+  each reading only their shards of an orbax checkpoint of the model (issue 52);
 - `kill -9` of process 1 mid-stream: the stream ends with an error event and [DONE]
   within seconds (no hang), /health turns 503 `engine_dead` naming the lost process, new
   requests get 503, and process 0 still stops cleanly (status 0) on SIGTERM;
@@ -26,13 +27,13 @@ from app.bench.spawn import free_port, wait_healthy
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "1, 2, 3,"]
 
 
-def config(tmp: Path, tp: int) -> Path:
+def config(tmp: Path, tp: int, model: str = "random:tiny") -> Path:
     path = tmp / f"tp{tp}.toml"
     path.write_text(f"""
 [server]
 drain_grace_s = 5
 [[pools]]
-model = "random:tiny"
+model = "{model}"
 served_model_names = ["tiny"]
 max_context = 512
 kv_cache_bytes = {16 << 20}
@@ -77,7 +78,13 @@ async def answers(url: str) -> list[dict]:
 
 
 async def start_replica(tmp: Path) -> tuple[trio.Process, trio.Process, str]:
-    cfg, port, coord = config(tmp, 2), free_port(), f"127.0.0.1:{free_port()}"
+    """The TP=2 replica, from an orbax checkpoint of the same model: each process reads
+    only its shards of the split tensors (model/loaders/orbax_ckpt.py)."""
+    from model.loaders.orbax_ckpt import save_orbax
+    from model.weights import load_model
+
+    ckpt = save_orbax(load_model("random:tiny", progress=False), tmp / "ckpt", progress=False)
+    cfg, port, coord = config(tmp, 2, str(ckpt)), free_port(), f"127.0.0.1:{free_port()}"
     group = ["--coordinator", coord, "--num-processes", "2"]
     leader = await spawn(cfg, tmp / "p0.log", "--port", str(port), *group, "--process-id", "0")
     follower = await spawn(cfg, tmp / "p1.log", *group, "--process-id", "1")
@@ -105,6 +112,8 @@ async def test_two_processes_serve_the_tp1_answer_and_a_lost_follower_fails_clea
     leader, follower, url = await start_replica(tmp_path)
     try:
         got = await answers(url)
+        for log in ("p0.log", "p1.log"):  # each read its half of the split tensors
+            assert "this process's shards" in (tmp_path / log).read_text(), log
         for want, have in zip(expected, got):
             assert have["text"] == want["text"]
             assert have["logprobs"]["tokens"] == want["logprobs"]["tokens"]
