@@ -211,6 +211,16 @@
       ].join(" · ");
     }
 
+    // sliding-window layers' own pages (Gemma 3), bounded per sequence by the window
+    const win = p.kv_window, winLine = $(".kv-window", view.root);
+    winLine.hidden = !win;
+    if (win) {
+      winLine.textContent = [
+        `sliding layers (${win.window}-key window): ${win.in_use} in use · ${win.cached} cached of ${win.total} pages`,
+        `at most ${win.max_pages_per_seq} a sequence (now ${win.most_pages_held}, ever ${win.most_pages_held_ever})`,
+      ].join(" · ");
+    }
+
     // speculative decoding, where the pool proposes tokens
     const spec = p.speculative, specLine = $(".spec", view.root);
     specLine.hidden = !spec;

@@ -12,6 +12,7 @@ import trio
 
 from config.settings import DEFAULT_PRESET, PoolConfig, SchedulerConfig, ServerConfig, Settings
 from config.settings import load_settings
+from tests.app.browser import browser_page, in_browser
 from tests.app.test_real_model import real_server
 
 
@@ -74,3 +75,15 @@ async def test_two_models_stream_at_once_each_from_its_own_pool():
             metrics = (await http.get("/metrics")).text
         assert 'sluice:kv_window_pages_in_use{model="gemma",pool="gemma"} 0.0' in metrics
         assert 'kv_window_pages_total{model="llama"' not in metrics
+        # ... and the dashboard, under Gemma's pool only.
+        errors: list[str] = []
+        lines = await in_browser(_window_lines, url, errors)
+        assert len(lines) == 1 and "sliding layers (16-key window)" in lines[0], lines
+        assert errors == [], errors
+
+
+def _window_lines(url: str, errors: list[str]) -> list[str]:
+    with browser_page(errors) as page:
+        page.goto(f"{url}/dashboard")
+        page.wait_for_selector(".kv-window:not([hidden])", timeout=15000)
+        return [e.text_content() for e in page.query_selector_all(".kv-window:not([hidden])")]

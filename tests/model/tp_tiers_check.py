@@ -17,7 +17,7 @@ from tests.test_kv_tiers import PAGE, prompt, serve
 
 def run(tp: int) -> dict:
     runner = ModelRunner(TINY, random_params(TINY), page_size=PAGE, num_pages=40,
-                         max_context=512, decode_buckets=(1, 4), prefill_buckets=(32, 64),
+                         max_context=512, decode_buckets=(4,), prefill_buckets=(64,),
                          block_q=8, max_prefill_seqs=2, kv_host_bytes=64 * 4096,
                          devices=jax.devices()[:tp] if tp > 1 else None)
     runner.warmup()

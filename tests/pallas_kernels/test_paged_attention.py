@@ -146,12 +146,9 @@ def test_matches_reference(name, interpret):
 
 WINDOWED = {  # (case, window): decode with and without splits, prompts, chunks
     "decode-w5": ("decode-len1-and-page-edges", 5),
-    "decode-split3-w20": ("decode-split3", 20),
     "decode-split4-w16-bf16": ("decode-split4-bf16", 16),
-    "prefill-w7": ("prefill-p8", 7),
     "chunk-mid-page-w9": ("chunk-mid-page", 9),
     "ragged-mixed-w4": ("ragged-mixed", 4),
-    "page-size-16-block-64-w33": ("page-size-16-block-64-gqa8", 33),
 }
 
 
