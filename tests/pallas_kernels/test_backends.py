@@ -116,7 +116,7 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
 # The jnp cascade (native = false: the fallback where the native kernels do not build)
 # compiles an XLA program for every case's shapes, ~1 s each on 2 cores: fewer cases
 # there, so that the suite stays within its 15 minutes.
-JNP_SETTINGS = settings(SETTINGS, max_examples=8)
+JNP_SETTINGS = settings(SETTINGS, max_examples=5)
 
 
 def _matches_dense(options, c):
