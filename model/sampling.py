@@ -117,6 +117,14 @@ def _counts(ids, vocab):
         jnp.arange(rows)[:, None], safe].add(valid.astype(jnp.float32))
 
 
+# After this many bisection steps over the whole vocabulary, `keep_mask` carries on over
+# the blocks of `_BLOCK` entries that can still hold a token above the bracket's lower
+# bound, where at most `_CANDIDATE_BLOCKS` of them can (else over the whole vocabulary).
+_COARSE_STEPS = 8
+_BLOCK = 256
+_CANDIDATE_BLOCKS = 16
+
+
 def keep_mask(probs, top_k, top_p, min_p, iterations: int = 30):
     """[rows, vocab] bool: the tokens top-k, top-p and min-p keep, without sorting the
     vocabulary (a sort of 16 rows of 49k logits cost 220 ms a step on the CPU, and
@@ -124,29 +132,59 @@ def keep_mask(probs, top_k, top_p, min_p, iterations: int = 30):
     threshold found by bisection: top-k keeps the tokens at least as probable as the
     k-th; top-p those whose more probable tokens hold less than `top_p` of the mass (the
     smallest set reaching it); min-p those at least `min_p` x the most probable. Ties at a
-    threshold are all kept. A search no row of the batch asks for is skipped (each costs
-    `iterations` passes over the vocabulary)."""
+    threshold are all kept. A search no row of the batch asks for is skipped.
+
+    A search's first `_COARSE_STEPS` steps pass over the whole vocabulary; every later
+    midpoint is above their lower bound, so the rest count only the tokens above it: the
+    blocks of `_BLOCK` entries whose largest reaches it, gathered once when every row
+    has at most `_CANDIDATE_BLOCKS` of them (a peaked distribution's usual case: Gemma
+    3's 262,144 entries, 16 rows, top-p 43 -> ~15 ms on the CPU), else the whole
+    vocabulary again. The thresholds are the same either way (up to the order of a
+    float sum)."""
+    rows, vocab = probs.shape
     pmax = probs.max(-1)
     zero = jnp.zeros_like(pmax)
     k = top_k.astype(jnp.float32)
 
     # Each lower bound keeps its cut's last token (the k-th; the one that brings the
     # top-p set to `top_p`) and converges on it from below.
-    def k_step(_, bounds):
+    def k_step(p, bounds):
         lo, hi = bounds
         mid = (lo + hi) / 2
-        enough = (probs >= mid[:, None]).sum(-1) >= k  # still k tokens at this height
+        enough = (p >= mid[:, None]).sum(-1) >= k  # still k tokens at this height
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-    def p_step(_, bounds):
+    def p_step(p, bounds):
         lo, hi = bounds
         mid = (lo + hi) / 2
-        short = jnp.where(probs > mid[:, None], probs, 0.0).sum(-1) < top_p  # inside the set
+        short = jnp.where(p > mid[:, None], p, 0.0).sum(-1) < top_p  # inside the set
         return jnp.where(short, lo, mid), jnp.where(short, mid, hi)
 
+    def steps(step, p, first, last, bounds):
+        return jax.lax.fori_loop(first, last, lambda _, b: step(p, b), bounds)
+
+    blocks = vocab // _BLOCK if vocab % _BLOCK == 0 else 0
+    narrow = blocks > _CANDIDATE_BLOCKS and iterations > _COARSE_STEPS
+
+    def run(step, wanted):
+        if not narrow:
+            return steps(step, probs, 0, iterations, (zero, pmax))[0]
+        bounds = steps(step, probs, 0, _COARSE_STEPS, (zero, pmax))
+        by_block = probs.reshape(rows, blocks, _BLOCK)
+        top = by_block.max(-1)
+        reach = top >= bounds[0][:, None]
+        many = jnp.where(wanted, reach.sum(-1), 0).max() > _CANDIDATE_BLOCKS
+
+        def candidates():  # the blocks above the bound (others' tokens all sit below it)
+            _, idx = jax.lax.top_k(jnp.where(reach, top, -1.0), _CANDIDATE_BLOCKS)
+            p = jnp.take_along_axis(by_block, idx[:, :, None], axis=1).reshape(rows, -1)
+            return steps(step, p, _COARSE_STEPS, iterations, bounds)[0]
+
+        return jax.lax.cond(many, lambda: steps(step, probs, _COARSE_STEPS, iterations,
+                                                bounds)[0], candidates)
+
     def search(step, wanted):
-        return jax.lax.cond(jnp.any(wanted), lambda: jax.lax.fori_loop(
-            0, iterations, step, (zero, pmax))[0], lambda: zero)
+        return jax.lax.cond(jnp.any(wanted), lambda: run(step, wanted), lambda: zero)
 
     cut = jnp.maximum(jnp.maximum(jnp.where(top_k > 0, search(k_step, top_k > 0), 0.0),
                                   jnp.where(top_p < 1.0, search(p_step, top_p < 1.0), 0.0)),
