@@ -69,19 +69,21 @@ class StepAssembly:
 
     @property
     def limits(self) -> StepLimits:
+        return self._step_limits(
+            shapes=tuple((b.dec_rows, b.pf_tokens) for b in self.programs.all),
+            window=self.pool.window if self.pool.window_pool else 0,
+            window_pool=self.pool.window_pool)
+
+    def _step_limits(self, **more) -> StepLimits:
+        """`limits` from the buckets alone (`more`: the fields the programs and the pool
+        add; the pool is sized from these before either exists)."""
         max_pf = self.prefill_buckets[-1] if self.prefill_buckets else 0
         # Each chunk pads up to a multiple of block_q; keep the worst case inside the bucket.
         budget = max(0, max_pf - self.max_prefill_seqs * (self.block_q - 1))
         return StepLimits(
             max_decode_seqs=self.decode_buckets[-1] if self.decode_buckets else 0,
             max_prefill_seqs=self.max_prefill_seqs if max_pf else 0,
-            max_prefill_chunk=budget,
-            max_prefill_tokens=budget,
-            shapes=tuple((b.dec_rows, b.pf_tokens) for b in self.programs.all),
-            block_q=self.block_q,
-            window=self.pool.window if self.pool.window_pool else 0,
-            window_pool=self.pool.window_pool,
-        )
+            max_prefill_chunk=budget, max_prefill_tokens=budget, block_q=self.block_q, **more)
 
     def buckets(self) -> list[Bucket]:
         """Decode-only steps of each decode bucket, and each prefill bucket with each

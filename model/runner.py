@@ -30,7 +30,7 @@ arguments are host data: a multi-host replica's process 0 sends each one to the 
 processes first (`mirror`, model/multihost.py), so they run the same programs in the
 same order.
 
-(About 520 lines: the device state's construction, its formats, shapes and placement settled
+(About 560 lines: the device state's construction, its formats, shapes and placement settled
 in one place, and every device call beside the lock that guards it.)
 """
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from pallas_kernels import PoolLayout, make_backend
 from pallas_kernels.backends import row_elements
-from scheduler.protocol import StepLimits, StepPlan, StepResult
+from scheduler.protocol import StepPlan, StepResult
 
 from . import sampling
 from .adapter_slots import LoraSlots, native_available as native_lora_available
@@ -302,11 +302,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             return pages, 0
         if own is not True:
             return pages, int(own)
-        max_pf = self.prefill_buckets[-1] if self.prefill_buckets else 0
-        limits = StepLimits(
-            max_decode_seqs=self.decode_buckets[-1] if self.decode_buckets else 0,
-            max_prefill_seqs=0, max_prefill_tokens=0, block_q=self.block_q, window=window,
-            max_prefill_chunk=max(0, max_pf - self.max_prefill_seqs * (self.block_q - 1)))
+        limits = self._step_limits(window=window)
         per_seq = limits.window_pages_per_seq(self.page_size)
         own = max(limits.max_decode_seqs, 1) * per_seq * 5 // 4 + 1
         rows = pages * cfg.num_layers

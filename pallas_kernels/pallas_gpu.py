@@ -37,7 +37,7 @@ GPU lowering: Triton (`compiler_params=jax.experimental.pallas.triton.CompilerPa
 chosen over Mosaic GPU for a gather through a page table on Ampere to Hopper; the reasons,
 what runs where, and the way out when JAX drops the Triton lowering are in
 docs/attention.md. Tuned block sizes live in `block_sizes.py`.
-(About 440 lines: two kernels that share one inner loop, their host-side plan and their
+(About 470 lines: two kernels that share one inner loop, their host-side plan and their
 split merge stay beside each other.)
 
 `PallasBackend` (end of file) is how the runner uses these kernels: the pool's layers are
