@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                         "token (default: the config's ttft_target_s, 1 s); 0: never")
     s.add_argument("--ttft-slack", type=float, metavar="X",
                    help="while running slots are free, refuse only past X times the TTFT "
-                        "target (default: the config's ttft_slack, 3); 1: a strict door, "
-                        "every admitted request expected within the target")
+                        "target (default: the config's ttft_slack, 1: a strict door, every "
+                        "admitted request expected within the target); 3 for load generators "
+                        "that count a 429 as a failure")
     s.add_argument("--queue-prefix-followers", action="store_true",
                    help="admit a request whose system prompt a running prefill is still "
                         "computing behind it instead of refusing it until the prefix is in "

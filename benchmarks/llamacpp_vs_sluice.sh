@@ -10,8 +10,8 @@
 # that waits out every 429 and counts TTFT from a request's first send
 # (benchmarks/polite_load.py: 48 requests after 16 of warm-up; OUT/polite-*.json). Sluice
 # runs with its default config plus SLUICE_SERVE_ARGS (e.g. "--quantization int8").
-# WORKLOADS picks some of the four (llama.cpp 0.3.36 never finishes shared-prefix under
-# `sluice bench` here: docs/benchmarks.md), and "repeat": answers that repeat the prompt
+# WORKLOADS picks some of the four (llama.cpp 0.3.36 never finished shared-prefix here
+# while it ran with -kvu, now only for long-interference: below), and "repeat": answers that repeat the prompt
 # (polite_load.py --workload repeat, greedy, 160 tokens) at 1 and 4 streams, each server
 # with and without speculative decoding: llama.cpp with LLAMA_SPEC_ARGS (default
 # "--spec-type ngram-simple --spec-draft-n-max 4", its prompt lookup), Sluice with its
@@ -91,8 +91,13 @@ repeat() {  # label: the repeat workload at 1 and 4 streams
 LLAMA_SPEC_ARGS=${LLAMA_SPEC_ARGS:---spec-type ngram-simple --spec-draft-n-max 4}
 
 # -kvu: one KV buffer for all slots (this llama.cpp splits -c over -np slots otherwise:
-# 4,096 tokens each, too few for the 6,000-token prompt; the first run, 2026-12-02).
-"$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -kvu -fa off -t "$THREADS" \
+# 4,096 tokens each, too few for the 6,000-token prompt; the first run, 2026-12-02). Only
+# for long-interference: with it every slot's attention spans the whole 65,536-token
+# buffer, and 16 shared-prefix streams crawl at ~0.15 tok/s a slot (never finishing).
+KVU=""
+case " $WORKLOADS " in *" long-interference "*) KVU="-kvu";; esac
+# shellcheck disable=SC2086
+"$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 $KVU -fa off -t "$THREADS" \
   --alias "$ALIAS" > "$OUT/llama-server.log" 2>&1 &
 LPID=$!
 trap 'kill $LPID 2>/dev/null || true' EXIT
@@ -102,7 +107,7 @@ ps -o rss= -p $LPID | awk '{print $1 * 1024}' > "$OUT/llama-rss-bytes"
 kill $LPID; wait $LPID 2>/dev/null || true
 case " $WORKLOADS " in *" repeat "*)  # llama.cpp with its own speculative decoding
   # shellcheck disable=SC2086
-  "$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 -kvu -fa off -t "$THREADS" \
+  "$SERVER" -m "$GGUF" --port "$PORT" -np 16 -c 65536 $KVU -fa off -t "$THREADS" \
     --alias "$ALIAS" $LLAMA_SPEC_ARGS > "$OUT/llama-spec-server.log" 2>&1 &
   LPID=$!
   until curl -sf "$URL/health" > /dev/null; do sleep 1; done

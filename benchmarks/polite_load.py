@@ -123,6 +123,7 @@ async def polite_request(http: httpx.AsyncClient, body: dict,
                     rec["status"] = f"http_{r.status_code}"
                     rec["error"] = r.text[:300]
                     break
+                rec["admitted_at"] = t0
                 last = None
                 chunks = 0
                 async for line in r.aiter_lines():
@@ -142,6 +143,7 @@ async def polite_request(http: httpx.AsyncClient, body: dict,
                     chunks += 1
                     if last is None:
                         rec["ttft_s"], rec["ttft_from_first_s"] = now - t0, now - first
+                        rec["first_token_at"] = now
                     else:
                         rec["gaps_s"].append(now - last)
                     last = now
@@ -247,8 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--records", default=None, help="also write every measured request's "
+                    "record (sends, refusals, first token; monotonic seconds) to this file")
     args = ap.parse_args(argv)
-    print(json.dumps(trio.run(Load(args).run)))
+    load = Load(args)
+    print(json.dumps(trio.run(load.run)))
+    if args.records:
+        with open(args.records, "w") as f:
+            json.dump(sorted(load.records, key=lambda r: r["start"]), f)
     return 0
 
 

@@ -34,11 +34,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # start in time instead of late. Nothing ahead: always admitted. A prompt too long to
     # meet it alone is judged on the queue wait. 0: off (queue bounds only).
     ttft_target_s: float = 1.0
-    # ... while requests wait for a running slot (overload). With slots free, what is
-    # ahead is prompts that arrived together, all about to be prefilled: a request is
-    # then refused only past ttft_target_s * ttft_slack, a real prefill backlog (a
-    # refused client that comes back finds the same work ahead: late beats refused).
-    ttft_slack: float = 3.0
+    # With running slots free, refuse only past ttft_target_s * ttft_slack. 1: a strict
+    # door, every admitted request expected within the target (clients that retry a 429
+    # as told: the openai SDK, a router). Above 1, for load generators that count a 429
+    # as a failure: prompts that arrived together are admitted late rather than refused
+    # (a refused client that comes back finds the same work ahead).
+    ttft_slack: float = 1.0
     # A request whose prefix (a new system prompt) a running prefill is still computing
     # cannot start before that prefix is in. False: judged on the target like any other,
     # so refused with a Retry-After of when the prefix is expected in and admitted then,

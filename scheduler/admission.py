@@ -32,6 +32,7 @@ argument.)
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from typing import Callable, Protocol
@@ -102,6 +103,9 @@ class SchedulerQueries(Protocol):
 
     def kv_capacity(self) -> tuple[int, int]: ...
 
+    # Tokens each running interactive answer is expected still to generate, shortest first.
+    def answers_left(self, answer_tokens: float) -> list[float]: ...
+
 
 class Admission:
     """One replica's door; the engine owns one and tells it what it needs to know."""
@@ -116,6 +120,9 @@ class Admission:
         self.rejections: dict[str, int] = {}  # refusals by reason (Overloaded.reason, "shed")
         self.output_tokens = _PRIOR_OUTPUT_TOKENS  # running average of completed answers
         self._last_promise = -float("inf")  # the latest time a refused client was told
+        # Refused clients told to come back later: (when, answer tokens expected), in the
+        # order told; each will take a running slot then (`_next_free_slot`).
+        self._promises: deque[tuple[float, float]] = deque()
         self._answer_hint: int | None = None  # see `service_rate`
         self._ttft_ratios: deque[float] = deque(maxlen=_TTFT_SAMPLES)  # see `ttft_factor`
 
@@ -272,8 +279,10 @@ class Admission:
         own = prefill + step
         follower = bool(prefix_wait and sched.prefill_token_s)
         if follower:
-            # It cannot start before the prefix it shares with a running prefill is in.
-            ttft = max(wait, sched.prefill_seconds(prefix_wait)) + own
+            # It cannot start before the prefix it shares with a running prefill is in:
+            # the steps in flight first (their chunks no longer count in `prefix_wait`).
+            in_flight = 0.0 if step_ends_at is None else max(0.0, step_ends_at - self.clock())
+            ttft = max(wait, in_flight + sched.prefill_seconds(prefix_wait)) + own
             alone = sched.prefill_seconds(prompt_tokens) + step
             if ttft <= alone and self.config.queue_prefix_followers:
                 return ttft
@@ -328,18 +337,34 @@ class Admission:
         give way).
         None when there is no estimate yet (the count bound still applies)."""
         sched = self.scheduler
-        wait: float | None = None
         ahead = self._slots_ahead() + pending
-        if ahead <= 0:
-            wait = 0.0
-        elif (rate := self.service_rate()) is not None:
-            wait = ahead / rate
+        wait = 0.0 if ahead <= 0 else self._slot_wait(ahead)
         if sched.prefill_token_s:
             wait = (wait or 0.0) + sched.prefill_seconds(
                 sched.waiting_uncached_tokens + sched.prefill_backlog)
         if wait is not None and wait > 0.0 and step_ends_at is not None:
             wait += max(0.0, step_ends_at - self.clock())  # the step in flight
         return wait
+
+    def _slot_wait(self, ahead: int) -> float | None:
+        """Seconds until `ahead` more running slots are free: the later of two estimates.
+        The completion rate's (`ahead / service_rate`) holds in a steady state, answers
+        ending at staggered times; the running answers' own ends (what each has left of
+        an average answer, within its max_tokens, at the decode step's time) hold after a
+        burst, whose answers started together and end together: there the first slot
+        frees after a whole answer, not after 1/rate (a first burst's 17th request was
+        admitted on a 0.5 s prediction and waited 6.5 s for a slot). None: neither known."""
+        sched = self.scheduler
+        rate = self.service_rate()
+        flow = None if rate is None else ahead / rate
+        left = sched.answers_left(self.output_tokens)
+        step = sched.step_estimate(sched.running_capacity, 0)
+        if not left or step <= 0:
+            return flow
+        ends = left[min(ahead, len(left)) - 1] * step
+        if ahead > len(left) and rate:  # past one round of the running answers
+            ends += (ahead - len(left)) / rate
+        return ends if flow is None else max(flow, ends)
 
     def _slots_ahead(self) -> int:
         """Interactive requests that must finish before a newcomer gets a running slot
@@ -377,14 +402,12 @@ class Admission:
         rate = self.completion_rate()
         if rate is not None:
             return rate
-        hint = self._answer_hint  # the max_tokens of the request at the door (None: none)
         sched = self.scheduler
         cap = sched.running_capacity
         step = sched.step_estimate(cap, 0)
         if step <= 0:
             return None
-        answer = self.output_tokens if hint is None else min(self.output_tokens, hint)
-        return cap / (answer * step)
+        return cap / (self._answer() * step)
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained: waiting requests over the service
@@ -396,15 +419,56 @@ class Admission:
         return min(_MAX_RETRY_S, max(0.1, (sched.num_waiting - sched.batch_waiting + 1) / rate))
 
     def ticket(self, wait_s: float) -> float:
-        """The Retry-After for one refused client: no sooner than `wait_s`, and one service
-        interval after the client refused before it. A burst told to come back does not
-        come back as one burst (and get refused again): a client that honours the answer
-        finds room on its first retry, as far as the prediction holds. At most 60 s."""
+        """The Retry-After for one refused client: no sooner than `wait_s`, one service
+        interval after the client refused before it, and no sooner than a running slot
+        is expected free for it, the clients told to come back before it each taking
+        one (`_next_free_slot`). A burst told to come back does not come back as one
+        burst (and get refused again): a client that honours the answer finds room on
+        its first retry, as far as the prediction holds. At most 60 s."""
         now = self.clock()
         rate = self.service_rate()
         at = now + max(0.1, wait_s)
         if rate:
             at = max(at, self._last_promise + 1.0 / rate)
+        slot = self._next_free_slot(now)
+        if slot is not None:
+            at = max(at, slot)
         at = min(at, now + _MAX_RETRY_S)
         self._last_promise = at
+        self._promises.append((at, self._answer()))
         return at - now
+
+    def _answer(self) -> float:
+        """Tokens the request at the door is expected to generate: the completed answers'
+        average, within its max_tokens when known."""
+        hint = self._answer_hint
+        return self.output_tokens if hint is None else min(self.output_tokens, hint)
+
+    def _next_free_slot(self, now: float) -> float | None:
+        """When a running slot is expected free for one more client: the free slots now,
+        then each running answer's expected end (what it has left at the decode step's
+        time), taken in turn by the requests waiting and by the clients told to come back
+        that are not back yet, each holding its slot for its own answer. Why: a first
+        burst's refused clients were told to come back one completion interval apart
+        (1/rate), which in a burst admitted together lands them while every slot is
+        still taken: refused again, and again. None: no step time known."""
+        promises = self._promises
+        while promises and promises[0][0] <= now:  # due: back by now, or gone
+            promises.popleft()
+        sched = self.scheduler
+        cap = sched.running_capacity
+        step = sched.step_estimate(cap, 0)
+        if step <= 0:
+            return None
+        running = sched.num_running - sched.batch_running
+        slots = [now] * max(0, cap - running)
+        slots += [now + left * step for left in sched.answers_left(self.output_tokens)]
+        if not slots:
+            return None
+        heapq.heapify(slots)
+        answer = self.output_tokens * step
+        for _ in range(sched.num_waiting - sched.batch_waiting):
+            heapq.heapreplace(slots, slots[0] + answer)
+        for at, tokens in promises:
+            heapq.heapreplace(slots, max(slots[0], at) + tokens * step)
+        return slots[0]

@@ -45,13 +45,19 @@ class ItlPlanning:
 
     @property
     def prefill_backlog(self) -> int:
-        """Under an ITL target, the prompt tokens running sequences still have to prefill:
-        they take the little room a step has beside the decodes before a newcomer does
-        (without a target a step's budget is large and a short prompt goes in whole: 0)."""
-        if not self.itl_target:
-            return 0
+        """The prompt tokens running sequences still have to prefill ahead of a newcomer's:
+        under a strict ITL target all of them (they take the little room a step has beside
+        the decodes before a newcomer does); otherwise the short prompts' (at most
+        `short_prefill_tokens` uncached), whose chunks go into each step before a
+        newcomer's, while a long prompt keeps to the pace and leaves a step's room to the
+        newcomer (a 6,000-token prefill in progress does not delay a short question).
+        Why the short ones count: a second wave of questions after a first burst (slots
+        freed together) was admitted on predictions that ignored the questions admitted
+        just before, and came at 2x them."""
+        short = 0 if self.itl_target else self.config.short_prefill_tokens
         return sum(s.num_tokens - s.num_computed_tokens for s in self.running.values()
-                   if s.phase is Phase.PREFILL)
+                   if s.phase is Phase.PREFILL and not s.batch
+                   and (not short or s.num_tokens - s.num_cached_tokens <= short))
 
     @property
     def running_capacity(self) -> int:

@@ -46,6 +46,15 @@ class Queries:
         cache and the prompts ahead of each counted when it was queued)."""
         return self.waiting.num_uncached
 
+    def answers_left(self, answer_tokens: float) -> list[float]:
+        """Tokens each running interactive sequence is expected still to generate,
+        shortest first: what is left of an answer of `answer_tokens` (the door's
+        expectation), within its max_tokens; at least one. When they end is when their
+        running slots free up (the door's wait for a slot, `Admission.expected_wait`)."""
+        return sorted(
+            max(1.0, min(s.max_tokens - s.num_generated, answer_tokens - s.num_generated))
+            for s in self.running.values() if not s.batch)
+
     def prefix_wait_tokens(self, seq: Sequence) -> int:
         """Prompt tokens a running prefill must still compute before `seq` can use the
         prefix they share (a burst that carries one system prompt: the first request

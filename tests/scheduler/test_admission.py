@@ -11,7 +11,7 @@ import pytest
 
 from config.settings import SchedulerConfig
 from scheduler.admission import Admission
-from scheduler.api import Overloaded
+from scheduler.api import GenerateRequest, Overloaded
 
 from .fake_runner import FakeRunner
 from .sim import FakeClock, Sim
@@ -54,6 +54,11 @@ class FakeQueries:
 
     def kv_capacity(self) -> tuple[int, int]:
         return 1000, 16
+
+    answers: list[float] | None = None  # tokens each running answer has left (None: unknown)
+
+    def answers_left(self, answer_tokens: float) -> list[float]:
+        return sorted(self.answers or [])
 
 
 def door(ttft_target_s: float = 1.0, ttft_slack: float = 1.0,
@@ -292,6 +297,59 @@ def test_the_door_refuses_a_follower_until_its_prefix_is_in(slack):
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(2065, uncached=65, prefix_wait=100)  # 1.0 s + 0.65 s
     assert e.value.retry_after_s == pytest.approx(0.65)
+
+
+def test_a_follower_waits_for_the_steps_in_flight_too():
+    """The chunks of a prefix already launched no longer count in `prefix_wait`: what is
+    left of the steps in flight comes before the rest of the prefix and its own step."""
+    adm, _, clock = door(ttft_target_s=1.0, prefill_token_s=0.001)
+    assert adm.check_ttft(2065, uncached=65, prefix_wait=300) == pytest.approx(0.365)
+    ends = clock() + 0.7  # two 0.35 s chunks of the prefix still computing
+    with pytest.raises(Overloaded) as e:  # 0.7 + 0.3 + 0.065 s
+        adm.check_ttft(2065, uncached=65, prefix_wait=300, step_ends_at=ends)
+    assert "expected time to first token 1.1s" in str(e.value)
+    clock.advance(0.5)
+    assert adm.check_ttft(2065, uncached=65, prefix_wait=300,
+                          step_ends_at=ends) == pytest.approx(0.565)
+
+
+def test_a_burst_admitted_together_frees_its_slots_together():
+    """Four answers that started together have 100 tokens left each: the first slot frees
+    in 100 decode steps (5 s), not in one completion interval of a steady state
+    (4 slots, 256-token answers at 0.05 s a step: 3.2 s)."""
+    adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4, num_waiting=0,
+                             prefill_token_s=0.001, decode_step_s=0.05)
+    assert adm.expected_wait() == pytest.approx(256 * 0.05 / 4)  # the steady state's 3.2 s
+    sched.answers = [100, 100, 100, 100]
+    assert adm.expected_wait() == pytest.approx(5.0)
+    sched.answers = [10, 100, 100, 100]  # one nearly done: 0.5 s
+    assert adm.expected_wait() == pytest.approx(max(0.5, 3.2))  # (the rate's is later)
+    sched.num_waiting = 4  # five ahead, past one round of the running answers: their
+    # ends (5 s) and one more completion interval (3.2 s), or the rate's 5 / 0.3125 s
+    assert adm.expected_wait() == pytest.approx(max(5.0 + 3.2, 5 / (4 / (256 * 0.05))))
+
+
+def test_refused_clients_are_told_the_running_slots_in_turn():
+    """Every slot taken by answers that started together, 60 tokens left each (0.05 s a
+    step): the first refused client is told to come back when they end (3 s), not in one
+    completion interval (1.25 s: 4 slots, 100-token answers), when it would find every
+    slot still taken; the ones after it one interval apart, and once the four slots are
+    promised, no sooner than the first promised client's answer ends (3 s + 5 s)."""
+    adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4,
+                             prefill_token_s=0.001, decode_step_s=0.05, answers=[60] * 4)
+    told = []
+    for _ in range(5):
+        with pytest.raises(Overloaded) as e:
+            adm.check(GenerateRequest(prompt_ids=list(range(50)), max_tokens=100))
+        told.append(e.value.retry_after_s)
+    assert told == pytest.approx([3.0, 4.25, 5.5, 6.75, 8.0])
+    clock.advance(3.5)  # the first came back (or gave up): its promise is spent, and
+    sched.answers = [1, 1, 1, 100]  # it holds a slot: the next one frees after it
+    with pytest.raises(Overloaded) as e:
+        adm.check(GenerateRequest(prompt_ids=list(range(50)), max_tokens=100))
+    # slots now: 3.55 s (x3) and 8.5 s; the four promises still out (4.25, 5.5, 6.75 and
+    # 8.0 s) take them, and the next frees when the first of those answers ends: 9.25 s
+    assert e.value.retry_after_s == pytest.approx(9.25 - 3.5)
 
 
 def test_slack_while_running_slots_are_free_the_target_itself_when_they_are_not():

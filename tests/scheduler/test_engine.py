@@ -468,8 +468,9 @@ async def test_each_first_token_is_reported_beside_its_predicted_ttft(nursery):
     """The door learns how late first tokens come against its predictions (the
     calibration itself is in test_admission.py): each admitted interactive request's
     measured TTFT reaches `Admission.first_token` with what the door predicted."""
+    # (slack 3: the second, predicted at the target itself, is admitted uncalibrated)
     eng = Engine(FakeRunner(limits=LIMITS, num_pages=1024), FakeDetokenizer(),
-                 SchedulerConfig(ttft_target_s=1.0))
+                 SchedulerConfig(ttft_target_s=1.0, ttft_slack=3.0))
     eng.scheduler.cost.prefill_token_s = 0.01
     seen = []
     eng.admission.first_token = lambda measured, predicted: seen.append((measured, predicted))

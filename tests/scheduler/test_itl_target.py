@@ -11,6 +11,7 @@ from config.settings import SchedulerConfig
 from scheduler.admission import Admission
 from scheduler.api import GenerateRequest, Overloaded
 from scheduler.protocol import StepLimits
+from scheduler.request import Phase
 from scheduler.step_cost import StepCostModel
 
 from .fake_runner import FakeRunner
@@ -215,8 +216,12 @@ def test_running_prompts_under_a_target_are_ahead_of_a_newcomer():
     with pytest.raises(Overloaded) as e:
         adm.check(GenerateRequest(prompt_ids=prompt(50, 40), max_tokens=20))
     assert e.value.reason == "ttft_target" and e.value.retry_after_s > 0
-    sched.itl_target = 0.0  # without a target: a short prompt goes in whole, not behind
-    assert sched.prefill_backlog == 0
+    sched.itl_target = 0.0  # without a strict target a newcomer's chunk goes beside a
+    assert sched.prefill_backlog == 0  # long prompt's (which keeps to the pace) ...
+    # ... but after a short one's (here: most of one's prompt served by the cache)
+    seq = next(s for s in sched.running.values() if s.phase is Phase.PREFILL)
+    seq.num_cached_tokens = seq.num_tokens - 200
+    assert sched.prefill_backlog == seq.num_tokens - seq.num_computed_tokens > 0
 
 
 def test_seeds_are_scaled_by_how_the_shapes_that_ran_compare_with_theirs():
