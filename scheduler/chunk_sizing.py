@@ -62,7 +62,7 @@ class ChunkSizing:
         return itl_budget[1]
 
     def _short_chunk(self, seq: Sequence, rest: int, num_decode: int, pace: int,
-                     new: bool = False) -> tuple[int, str]:
+                     new: bool = False, beside: int = 0) -> tuple[int, str]:
         """The next chunk of a short prompt (`rest` tokens left, `new`: just admitted)
         joining `num_decode` running streams: the prompt is spread over as many steps as
         its TTFT target leaves room for, each chunk at least `pace` (a long prompt's chunk
@@ -82,6 +82,11 @@ class ChunkSizing:
         ITL p95 25 ms whole against 49 spread; docs/history/benchmarks-log.md, "Whole while
         questions are rare").
 
+        A step is planned at the decodes' time plus the prompt tokens already in it
+        (`beside`: the chunks of the prompts ahead, spread the same way): a second wave of
+        questions after a first burst, each planned as if alone in its steps, came at
+        1.7x its plan.
+
         Returns the chunk and why it is past the pace (`STEP_PLANS`; "": it is not)."""
         cost, target = self.cost, self.config.ttft_target_s
         decode, per_token = cost.decode_time(num_decode), cost.prefill_token_s
@@ -97,12 +102,13 @@ class ChunkSizing:
                 return rest, "rare-question"
         # Planned to finish by a share of the target: the step in flight comes first, and
         # predicted step times err on a busy host.
-        ahead = now - seq.arrived_at + decode + rest * per_token
-        steps = min(int((target * _TTFT_PLAN_SHARE - ahead) / decode), rest // max(1, pace))
+        step = decode + beside * per_token
+        ahead = now - seq.arrived_at + step + rest * per_token
+        steps = min(int((target * _TTFT_PLAN_SHARE - ahead) / step), rest // max(1, pace))
         if steps <= 1:
             return rest, "ttft"
         if seq.predicted_ttft is not None:  # the door's calibration compares to the plan
-            seq.predicted_ttft = max(seq.predicted_ttft, ahead + steps * decode)
+            seq.predicted_ttft = max(seq.predicted_ttft, ahead + steps * step)
         chunk = -(-rest // steps)
         return chunk, "ttft" if chunk > pace else ""
 

@@ -225,7 +225,8 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
                 if grown is not None:
                     reasons.add("ttft")
             elif split and not seq.batch:
-                chunk, why = self._short_chunk(seq, rest, num_decode, pace, new)
+                beside = sum(len(c.token_ids) for c in batch.plan.chunks[num_decode:])
+                chunk, why = self._short_chunk(seq, rest, num_decode, pace, new, beside)
                 n = min(budget, chunk)
                 if why:
                     reasons.add(why)

@@ -313,6 +313,18 @@ def test_a_follower_waits_for_the_steps_in_flight_too():
                           step_ends_at=ends) == pytest.approx(0.565)
 
 
+def test_the_steps_in_flight_can_make_a_request_with_nothing_ahead_late():
+    """Nothing queued and a slot free: admitted, unless what is left of the steps in
+    flight (a known time) is what makes it miss the target; then it is told to come
+    back when they end. A prompt too long for the target anyway is admitted as before."""
+    adm, _, clock = door(ttft_target_s=1.0, prefill_token_s=0.001)
+    assert adm.check_ttft(300, step_ends_at=clock() + 0.5) == pytest.approx(0.8)
+    with pytest.raises(Overloaded) as e:
+        adm.check_ttft(300, step_ends_at=clock() + 0.8)  # 0.8 + 0.3 s
+    assert e.value.retry_after_s == pytest.approx(0.1)
+    assert adm.check_ttft(1200, step_ends_at=clock() + 0.8) == pytest.approx(2.0)
+
+
 def test_a_burst_admitted_together_frees_its_slots_together():
     """Four answers that started together have 100 tokens left each: the first slot frees
     in 100 decode steps (5 s), not in one completion interval of a steady state

@@ -120,3 +120,19 @@ def test_itl_target_zero_switches_the_budget_off():
     assert {why for _, why, _ in chunks} == {"unpaced"}
     assert {t for t, _, _ in chunks} == {64}  # the step's whole prompt budget
     assert all(b == 0.0 for _, _, b in chunks)
+
+
+def test_a_question_is_planned_beside_the_chunks_already_in_its_steps():
+    """A question spread over its TTFT target is planned at the step's real length: the
+    decodes plus the chunks of the prompts ahead of it in the same step (a second wave
+    of questions after a first burst, each planned as if alone in its steps, came at
+    1.7x its plan). Beside 60 prompt tokens its steps are longer, so it takes fewer,
+    bigger chunks; beside many more it goes in whole."""
+    d = Driver(itl=TARGET, strict=False, short_prefill_stall_share=0.0)
+    _streams(d, 15)
+    q = d.sim.submit(prompt(40, 100), max_tokens=2)
+    sched, pace = d.sched, 8
+    alone, _ = sched._short_chunk(q, 100, 15, pace)
+    crowded, _ = sched._short_chunk(q, 100, 15, pace, beside=60)
+    assert pace < alone < crowded < 100
+    assert sched._short_chunk(q, 100, 15, pace, beside=400) == (100, "ttft")
