@@ -293,9 +293,14 @@ class Admission:
                 return ttft
         elif wait <= 0.0:
             # Nothing queued ahead: admitted (nowhere would it start sooner), unless the
-            # steps in flight, a known time, are what makes it late: back when they end.
+            # steps in flight, a known time longer than its own estimate, are what makes
+            # it late: back when they end. (Not when its own estimate is the larger part:
+            # the measured cost of a prompt token rises while a long prompt's chunks run
+            # at a long context, and short questions were refused for 11 s of a
+            # 6,000-token prefill that served them well within the target.)
             factor, limit = self.ttft_factor(), self._limit(target, pending)
-            if own * factor > limit or in_flight + own * factor <= limit:
+            if (own * factor > limit or in_flight <= own
+                    or in_flight + own * factor <= limit):
                 return own + in_flight
             ttft = in_flight + own
         else:

@@ -315,14 +315,19 @@ def test_a_follower_waits_for_the_steps_in_flight_too():
 
 def test_the_steps_in_flight_can_make_a_request_with_nothing_ahead_late():
     """Nothing queued and a slot free: admitted, unless what is left of the steps in
-    flight (a known time) is what makes it miss the target; then it is told to come
-    back when they end. A prompt too long for the target anyway is admitted as before."""
+    flight (a known time, longer than its own estimate) is what makes it miss the
+    target; then it is told to come back when they end. A prompt too long for the
+    target anyway is admitted as before."""
     adm, _, clock = door(ttft_target_s=1.0, prefill_token_s=0.001)
     assert adm.check_ttft(300, step_ends_at=clock() + 0.5) == pytest.approx(0.8)
     with pytest.raises(Overloaded) as e:
         adm.check_ttft(300, step_ends_at=clock() + 0.8)  # 0.8 + 0.3 s
     assert e.value.retry_after_s == pytest.approx(0.1)
     assert adm.check_ttft(1200, step_ends_at=clock() + 0.8) == pytest.approx(2.0)
+    # Its own estimate the larger part (judged 1.5x late): the steps in flight are not
+    # what makes it late, and it is admitted (0.3 s + 0.5 s x 1.5 is past the target)
+    adm, _, clock = door(ttft_target_s=1.0, prefill_token_s=0.001, uncalibrated=1.5)
+    assert adm.check_ttft(500, step_ends_at=clock() + 0.3) == pytest.approx(0.8)
 
 
 def test_a_burst_admitted_together_frees_its_slots_together():
