@@ -101,9 +101,17 @@ class SchedulerQueries(Protocol):
 
     def prefill_seconds(self, tokens: float) -> float: ...
 
+    # ... and a short prompt's (at most `short_prefill_tokens`), at what questions cost.
+    def question_seconds(self, tokens: float) -> float: ...
+
     def kv_capacity(self) -> tuple[int, int]: ...
 
-    # Tokens each running interactive answer is expected still to generate, shortest first.
+    # Running sequences past their prompt (decoding), and the tokens each running
+    # interactive answer is expected still to generate, shortest first.
+    @property
+    def num_decoding(self) -> int: ...
+
+
     def answers_left(self, answer_tokens: float) -> list[float]: ...
 
 
@@ -274,7 +282,12 @@ class Admission:
         # Without its own count, the prompt is discounted by the cache's hit rate so far.
         tokens = (prompt_tokens * (1.0 - sched.prefix_hit_rate) if uncached is None
                   else uncached)
-        prefill = sched.prefill_seconds(tokens) if sched.prefill_token_s else 0.0
+        if not sched.prefill_token_s:
+            prefill = 0.0
+        elif tokens <= self.config.short_prefill_tokens:
+            prefill = sched.question_seconds(tokens)  # a question: at what questions cost
+        else:
+            prefill = sched.prefill_seconds(tokens)
         step = sched.step_estimate(sched.num_running - sched.batch_running, 0)
         own = prefill + step
         # What is left of the steps in flight comes first, whatever is queued (the
@@ -294,12 +307,12 @@ class Admission:
         elif wait <= 0.0:
             # Nothing queued ahead: admitted (nowhere would it start sooner), unless the
             # steps in flight, a known time longer than its own estimate, are what makes
-            # it late: back when they end. (Not when its own estimate is the larger part:
-            # the measured cost of a prompt token rises while a long prompt's chunks run
-            # at a long context, and short questions were refused for 11 s of a
-            # 6,000-token prefill that served them well within the target.)
+            # it late while streams decode: back when they end. Not with no stream
+            # decoding: the steps in flight are then a prompt's whole-budget chunks, and
+            # refusing the newcomer keeps them so (short questions were refused through
+            # a 6,000-token prefill, each refusal leaving its steps unpaced).
             factor, limit = self.ttft_factor(), self._limit(target, pending)
-            if (own * factor > limit or in_flight <= own
+            if (own * factor > limit or in_flight <= own or not sched.num_decoding
                     or in_flight + own * factor <= limit):
                 return own + in_flight
             ttft = in_flight + own
@@ -356,8 +369,9 @@ class Admission:
         ahead = self._slots_ahead() + pending
         wait = 0.0 if ahead <= 0 else self._slot_wait(ahead)
         if sched.prefill_token_s:
-            wait = (wait or 0.0) + sched.prefill_seconds(
-                sched.waiting_uncached_tokens + sched.prefill_backlog)
+            # (the running prompts ahead are short ones: at what questions cost)
+            wait = (wait or 0.0) + sched.prefill_seconds(sched.waiting_uncached_tokens) + (
+                sched.question_seconds(sched.prefill_backlog))
         if wait is not None and wait > 0.0 and step_ends_at is not None:
             wait += max(0.0, step_ends_at - self.clock())  # the step in flight
         return wait

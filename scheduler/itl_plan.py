@@ -83,6 +83,13 @@ class ItlPlanning:
             k += 1
         return k
 
+    def question_seconds(self, tokens: float) -> float:
+        """`prefill_seconds` of a short prompt: at the cost measured on questions' steps
+        (`StepCostModel.question_seconds`), or under a strict ITL target at the pace."""
+        if self.itl_target:
+            return self.prefill_seconds(tokens)
+        return self.cost.question_seconds(tokens)
+
     def prefill_seconds(self, tokens: float) -> float:
         """Seconds a prompt of `tokens` uncached tokens takes to prefill: at the measured
         cost of a token, or under an ITL target at the pace of the chunks that fit beside

@@ -25,7 +25,12 @@ class StepBooks:
         """Feed the step's measured device time (and the compiled shape it ran in) to
         the cost model."""
         n = batch.decode_rows
-        self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work)
+        short = self.config.short_prefill_tokens
+        prompts = batch.seqs[batch.num_decode:]
+        questions = bool(prompts) and all(
+            s.num_tokens - s.num_cached_tokens <= short for s in prompts)
+        self.cost.observe(n, batch.plan.num_tokens - n, seconds, shape=shape, work=batch.work,
+                          questions=questions)
         if n:  # the streams' token gap, as they have lately seen it
             gap = self._gap_s
             self._gap_s = seconds if gap is None else gap + _GAP_ALPHA * (seconds - gap)

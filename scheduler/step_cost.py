@@ -117,6 +117,11 @@ class StepCostModel:
         self._fits: dict[tuple[int, int], _ShapeFit] = {}
         self._decode_s: dict[int, float] = {}  # decoding sequences -> decode-only step time
         self.prefill_token_s: float | None = None  # marginal seconds per prefill token
+        # ... measured on steps whose prompt chunks are all short prompts' (questions):
+        # a long prompt's chunks read a long context, and their token cost said nothing
+        # of a question's (the door refused short questions through a 6,000-token
+        # prefill that served them well within the TTFT target).
+        self.question_token_s: float | None = None
         # Figures from the runner's warm-up (every compiled shape run once, timed): used
         # until the first real step of their kind replaces them outright.
         self._seeded: set[int] = set()
@@ -145,9 +150,11 @@ class StepCostModel:
 
     # -- learning --------------------------------------------------------------------
     def observe(self, num_decode: int, prefill_tokens: int, seconds: float, *,
-                shape: tuple[int, int] | None = None, work: float = 0.0) -> None:
+                shape: tuple[int, int] | None = None, work: float = 0.0,
+                questions: bool = False) -> None:
         """A step ran: `num_decode` decode rows and `prefill_tokens` prompt tokens (real,
-        not padded) in compiled `shape` (None: not known), reading `work` keys."""
+        not padded) in compiled `shape` (None: not known), reading `work` keys;
+        `questions`: its prompt chunks were all short prompts'."""
         if shape is not None:
             fit = self._fits.setdefault(tuple(shape), _ShapeFit())
             if fit.seed > 0:  # how the warm-up's figures compare with real steps
@@ -175,6 +182,15 @@ class StepCostModel:
         old = None if self._prefill_seeded else self.prefill_token_s
         self._prefill_seeded = False
         self.prefill_token_s = per_token if old is None else old + _ALPHA * (per_token - old)
+        if questions:
+            old = self.question_token_s
+            self.question_token_s = per_token if old is None else (
+                old + _ALPHA * (per_token - old))
+
+    def question_seconds(self, tokens: float) -> float:
+        """Seconds a short prompt's `tokens` take to prefill: at the cost measured on
+        questions' steps, else on any prompt's."""
+        return tokens * (self.question_token_s or self.prefill_token_s or 0.0)
 
     def seed(self, num_decode: int, prefill_tokens: int, seconds: float) -> None:
         """A warm-up measurement of one compiled shape (`num_decode` decode rows beside

@@ -255,3 +255,19 @@ def test_shapes_in_use_keep_their_own_figures_and_the_drift_is_bounded():
     for _ in range(60):
         m2.observe(4, 0, 0.5, shape=(4, 0))  # 10x slower: the stale one follows, 2x at most
     assert m2.predict(16, 0) == pytest.approx(0.20)
+
+
+def test_a_questions_token_cost_is_learned_from_questions_steps_only():
+    """A long prompt's chunks read a long context: their token cost is not a question's."""
+    m = model()
+    m.observe(4, 0, 0.030)
+    assert m.question_seconds(100) == 0.0  # nothing measured
+    m.observe(4, 100, 0.130, questions=True)  # 1 ms a token
+    m.observe(4, 64, 0.030 + 64 * 0.006)  # a long prompt's chunk: 6 ms a token
+    assert m.prefill_token_s > 0.001
+    assert m.question_seconds(100) == pytest.approx(0.1)
+    assert model().question_seconds(10) == 0.0
+    only_long = model()
+    only_long.observe(4, 0, 0.030)
+    only_long.observe(4, 64, 0.030 + 64 * 0.006)
+    assert only_long.question_seconds(100) == pytest.approx(0.6)  # none else known
