@@ -27,7 +27,7 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from polite_load import Load, dist  # noqa: E402  (a script beside this one)
+from polite_load import Load, dist, options  # noqa: E402  (a script beside this one)
 
 
 async def http_once(host: str, port: int, method: str, path: str, body: bytes = b"",
@@ -108,9 +108,7 @@ class Flood:
 
     async def run(self) -> dict:
         a = self.args
-        load = Load(argparse.Namespace(url=a.url, concurrency=a.streams, requests=10**9,
-                                       warmup_requests=0, max_tokens=0, system_tokens=2000,
-                                       seed=0, model=None, timeout=600.0))
+        load = Load(options(a.url, concurrency=a.streams, requests=10**9, warmup_requests=0))
         conns = a.streams + 8
         limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
         async with httpx.AsyncClient(base_url=a.url, timeout=600, limits=limits) as http:

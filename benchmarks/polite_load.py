@@ -252,7 +252,19 @@ class Load:
         }
 
 
-def main(argv: list[str] | None = None) -> int:
+def options(url: str, **overrides) -> argparse.Namespace:
+    """The command line's options with their defaults, some overridden: what the scripts
+    that drive `Load` themselves (flood.py, slo_sweep.py) pass it, so that an option added
+    here reaches them."""
+    args = parser().parse_args([url])
+    for k, v in overrides.items():
+        if not hasattr(args, k):
+            raise TypeError(f"polite_load has no option {k!r}")
+        setattr(args, k, v)
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("url")
     ap.add_argument("--concurrency", type=int, default=16)
@@ -267,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--records", default=None, help="also write every measured request's "
                     "record (sends, refusals, first token; monotonic seconds) to this file")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     load = Load(args)
     print(json.dumps(trio.run(load.run)))
     if args.records:

@@ -20,13 +20,11 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from polite_load import Load  # noqa: E402  (a script beside this one)
+from polite_load import Load, options  # noqa: E402  (a script beside this one)
 
 
 def point(url: str, c: int, seed: int) -> dict:
-    args = argparse.Namespace(url=url, concurrency=c, requests=max(8, 3 * c),
-                              warmup_requests=c, max_tokens=0, system_tokens=2000,
-                              seed=seed, model=None, timeout=600.0)
+    args = options(url, concurrency=c, requests=max(8, 3 * c), warmup_requests=c, seed=seed)
     return trio.run(Load(args).run)
 
 
