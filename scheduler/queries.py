@@ -46,11 +46,6 @@ class Queries:
         cache and the prompts ahead of each counted when it was queued)."""
         return self.waiting.num_uncached
 
-    @property
-    def num_decoding(self) -> int:
-        """Running sequences past their prompt (their last prompt chunk launched)."""
-        return sum(1 for s in self.running.values() if s.phase is Phase.DECODE)
-
     def answers_left(self, answer_tokens: float) -> list[float]:
         """Tokens each running interactive sequence is expected still to generate,
         shortest first: what is left of an answer of `answer_tokens` (the door's
