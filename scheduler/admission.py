@@ -26,8 +26,8 @@ Retry-After), and the refusal counts `EngineStats.rejections` shows.
 Pure Python and clock-agnostic (the engine passes its clock), so tests drive it with a
 fake clock and a fake scheduler. (Not to be confused with the policy's admission of a
 queued sequence into the running batch when its pages fit: that comes later, per step.)
-(About 400 lines: the door's rules, the estimates they read and its calibration are one
-argument.)
+(About 500 lines: the door's rules, the estimates they read, its Retry-After book and
+its calibration are one argument.)
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ a scaled seed alone could keep the running set from ever growing into the shape 
 show it fits (measured: a 0.15 s target held one stream of a shared-prefix load). A guess
 that is too low costs a step or two past the target, then that shape's own figure rules.
 
-Pure Python, no clocks of its own: the engine reports each step's duration.
+Pure Python, no clocks of its own: the engine reports each step's duration. (About 360
+lines: the learning and the predictions read the same per-shape fits; split, each half
+would reach into the other's state.)
 """
 
 from __future__ import annotations
