@@ -1,7 +1,8 @@
 """The server: a quart-trio app on hypercorn's trio worker, and the one nursery that owns it.
 
 `run_server` opens one nursery holding hypercorn (and through it every connection and
-every stream), the engine loops of every pool, and the signal watcher. The port is bound
+every stream; each new connection's first request is read by the front door first,
+app/front_door.py), the engine loops of every pool, and the signal watcher. The port is bound
 first, so /health answers 503 "loading" while the model loads and warms up; then the
 engines start and the server turns ready. A crash in an engine loop or in loading takes
 the whole nursery down visibly instead of leaving a half-alive server.
@@ -23,12 +24,12 @@ from typing import Awaitable, Callable
 
 import trio
 from hypercorn.config import Config as HyperConfig
-from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .door import DoorFastPath
+from .front_door import serve_http
 from .errors import APIError, error_type_for
 from .limits import PerIPLimit
 from .pools import Pool, Router
@@ -202,8 +203,8 @@ async def run_server(
 
     async def http(task_status: trio.TaskStatus[list[str]]) -> None:
         try:
-            await hypercorn_serve(create_app(state), hconf, shutdown_trigger=stop_http.wait,
-                                  task_status=task_status)
+            await serve_http(create_app(state), hconf, state, shutdown_trigger=stop_http.wait,
+                             task_status=task_status)
         finally:
             http_done.set()
 

@@ -33,6 +33,7 @@ its calibration are one argument.)
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from typing import Callable, Protocol
@@ -46,6 +47,7 @@ _RATE_WINDOW_S = 60.0  # completions older than this do not count toward the rat
 # (the completed ones' running average replaces it).
 _PRIOR_OUTPUT_TOKENS = 256.0
 _MAX_RETRY_S = 60.0
+_SLOTS_KEPT_S = 0.05  # `_next_free_slot` reuses its heap this long at most
 # The door's calibration of its own TTFT predictions (`ttft_factor`): the recent admitted
 # requests' measured / predicted TTFT, at this quantile, once there are enough of them;
 # predictions under this share of the target are not counted (a fixed cost, HTTP and
@@ -127,6 +129,9 @@ class Admission:
         # Refused clients told to come back later: (when, answer tokens expected), in the
         # order told; each will take a running slot then (`_next_free_slot`).
         self._promises: deque[tuple[float, float]] = deque()
+        # `_next_free_slot`'s heap, kept while the replica's state and the promises told
+        # stay as they were: (state, when built, heap, promises in it).
+        self._slots: tuple[tuple, float, list[float], int] | None = None
         self._answer_hint: int | None = None  # see `service_rate`
         self._ttft_ratios: deque[float] = deque(maxlen=_TTFT_SAMPLES)  # see `ttft_factor`
 
@@ -476,20 +481,32 @@ class Admission:
         promises = self._promises
         while promises and promises[0][0] <= now:  # due: back by now, or gone
             promises.popleft()
+            self._slots = None
         sched = self.scheduler
         cap = sched.running_capacity
         step = sched.step_estimate(cap, 0)
         if step <= 0:
             return None
         running = sched.num_running - sched.batch_running
-        slots = [now] * max(0, cap - running)
-        slots += [now + left * step for left in sched.answers_left(self.output_tokens)]
-        if not slots:
-            return None
-        heapq.heapify(slots)
-        answer = self.output_tokens * step
-        for _ in range(sched.num_waiting - sched.batch_waiting):
-            heapq.heapreplace(slots, slots[0] + answer)
-        for at, tokens in promises:
+        waiting = sched.num_waiting - sched.batch_waiting
+        lefts = tuple(sched.answers_left(self.output_tokens))
+        state = (cap, running, waiting, step, self.output_tokens, lefts)
+        kept = self._slots
+        if kept is not None and kept[0] == state and now - kept[1] <= _SLOTS_KEPT_S:
+            # The same replica state as a moment ago (a flood's refusals between two
+            # steps): only the promises told since go into the heap, not all of them
+            # again for every refusal.
+            _, built, slots, applied = kept
+        else:
+            built, applied = now, 0
+            slots = [now] * max(0, cap - running) + [now + left * step for left in lefts]
+            if not slots:
+                return None
+            heapq.heapify(slots)
+            answer = self.output_tokens * step
+            for _ in range(waiting):
+                heapq.heapreplace(slots, slots[0] + answer)
+        for at, tokens in itertools.islice(promises, applied, None):
             heapq.heapreplace(slots, max(slots[0], at) + tokens * step)
+        self._slots = (state, built, slots, len(promises))
         return slots[0]

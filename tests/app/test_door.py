@@ -67,3 +67,120 @@ async def test_what_the_door_admits_or_cannot_judge_reaches_the_app_whole():
             assert r.status_code == 400
         await srv.wait_idle()
         assert srv.pages_in_use() == 0
+
+
+# The front door (app/front_door.py): a new connection's first request, read with h11
+# before hypercorn sees the connection.
+
+async def _open(srv):
+    import trio
+
+    host, port = srv.url.rsplit("//", 1)[1].rsplit(":", 1)
+    return await trio.open_tcp_stream(host, int(port))
+
+
+def _post(body: bytes, *, close: bool = False, path: str = "/v1/chat/completions") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (path.encode(), b"Connection: close\r\n" if close
+                                               else b"", len(body)) + body)
+
+
+class _Reader:
+    """Responses off one connection, by their framing (Content-Length)."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.buf = stream, b""
+
+    async def response(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            chunk = await self.stream.receive_some(65536)
+            assert chunk, f"closed before a response: {self.buf!r}"
+            self.buf += chunk
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:])}
+        n = int(headers.get("content-length", 0))
+        while len(self.buf) < n:
+            self.buf += await self.stream.receive_some(65536)
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return int(lines[0].split()[1]), headers, body
+
+
+async def test_the_front_door_refuses_a_new_connections_first_request(
+        monkeypatch: pytest.MonkeyPatch):
+    """Refused before hypercorn reads it: the same 429 and headers; the connection, kept
+    alive, is hypercorn's for its next requests, pipelined or not, and a request whose body
+    comes in pieces is read whole first."""
+    import trio
+
+    import app.front_door
+
+    asked: list[str] = []
+    real = app.front_door.refusal_at_the_door
+
+    def counting(state, kind, body, authorization):
+        asked.append(kind)
+        return real(state, kind, body, authorization)
+
+    monkeypatch.setattr(app.front_door, "refusal_at_the_door", counting)
+    payload = httpx.Request("POST", "/", json=_body()).content
+    async with serve(settings(max_waiting=0)) as srv:
+        stream = await _open(srv)
+        async with stream:
+            request = _post(payload)
+            for i in range(0, len(request), 500):  # head and body in several sends
+                await stream.send_all(request[i:i + 500])
+                await trio.sleep(0.01)
+            reader = _Reader(stream)
+            status, headers, body = await reader.response()
+            assert status == 429 and asked == ["chat"]
+            assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
+            assert b'"queue_full"' in body and headers["content-type"] == "application/json"
+            # Two more requests at once on the same connection: hypercorn's now.
+            await stream.send_all(_post(payload) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await reader.response())[0] == 429  # DoorFastPath's, in the ASGI layer
+            status, _, body = await reader.response()
+            assert status == 200 and b"\"ok\"" in body
+            assert asked == ["chat"]  # the front door read only the first
+        stream = await _open(srv)  # Connection: close: answered and closed
+        async with stream:
+            completion = httpx.Request("POST", "/", json={"model": MODEL, "prompt": "p",
+                                                          "max_tokens": 4}).content
+            await stream.send_all(_post(completion, close=True, path="/v1/completions?x=1"))
+            assert (await _Reader(stream).response())[0] == 429
+            assert await stream.receive_some(10) == b""
+        assert asked == ["chat", "completion"]
+
+
+async def test_what_the_front_door_does_not_answer_hypercorn_does():
+    """Other paths, a request slower than the door waits, bad HTTP and a client gone
+    before a whole request: each as hypercorn would have it, and the server keeps
+    serving with nothing held."""
+    import trio
+
+    import app.front_door
+
+    payload = httpx.Request("POST", "/", json=_body()).content
+    async with serve(settings(max_waiting=0)) as srv:
+        stream = await _open(srv)
+        async with stream:  # the body after the door stopped waiting: hypercorn reads it
+            request = _post(payload)
+            await stream.send_all(request[:100])
+            await trio.sleep(app.front_door.FIRST_REQUEST_S + 0.3)
+            await stream.send_all(request[100:])
+            assert (await _Reader(stream).response())[0] == 429
+        stream = await _open(srv)
+        async with stream:
+            await stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+            data = await stream.receive_some(65536)
+            assert data == b"" or data.startswith(b"HTTP/1.1 400")
+        stream = await _open(srv)
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        await stream.aclose()  # gone mid-head
+        async with srv.client() as http:
+            assert (await http.get("/health")).status_code == 200
+            r = await http.post("/v1/chat/completions", json=_body())
+            assert r.status_code == 429
+        await srv.wait_idle()
+        assert srv.pages_in_use() == 0 and not srv.state.flights

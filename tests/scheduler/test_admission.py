@@ -364,6 +364,36 @@ def test_refused_clients_are_told_the_running_slots_in_turn():
     assert e.value.retry_after_s == pytest.approx(9.25 - 3.5)
 
 
+def test_a_floods_tickets_are_the_same_kept_or_counted_afresh():
+    """A flood's refusals come between two steps: the slot heap is kept and only the
+    promises told since go in, not every promise again for each refusal (quadratic in a
+    flood of 300). Every Retry-After is what a heap built from scratch says, or at most
+    the time since the kept one was built (<= 50 ms) sooner, also after the replica's
+    state changed or that time passed (when it is built again)."""
+    def flood(fresh: bool) -> list[float]:
+        adm, sched, clock = door(ttft_target_s=1.0, max_running=4, num_running=4,
+                                 num_waiting=2, prefill_token_s=0.001, decode_step_s=0.05,
+                                 answers=[60, 30, 90, 10])
+        told = []
+        for i in range(120):
+            if fresh:
+                adm._slots = None
+            if i == 40:
+                sched.answers = [59, 29, 89, 9]  # a step ended
+            if i == 80:
+                clock.advance(0.2)  # past the time a kept heap is trusted
+            with pytest.raises(Overloaded) as e:
+                adm.check(GenerateRequest(prompt_ids=list(range(50)), max_tokens=100))
+            told.append(e.value.retry_after_s)
+            clock.advance(0.0005)
+        return told
+
+    kept, fresh = flood(False), flood(True)
+    for k, f in zip(kept, fresh):
+        assert f - 0.05 <= k <= f + 1e-9
+    assert kept[-1] > kept[0]
+
+
 def test_slack_while_running_slots_are_free_the_target_itself_when_they_are_not():
     """Prompts that arrived together and will be prefilled within a step or two: a request
     predicted a little past the target is admitted while running slots are free; once

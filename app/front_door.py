@@ -1,0 +1,195 @@
+"""The front door: the first request on every new connection is read here, with h11, before
+hypercorn builds a protocol, a task group, timers and an ASGI scope for it. A completion
+request the precheck refuses gets its 429 from here; everything else (the request read so
+far replayed) is hypercorn's, as if it had read it itself.
+
+Why: a refusal is only worth giving fast, and in a flood of new connections what a refusal
+costs on the one event loop is what the HTTP stack spends per connection. Measured on this
+2-core machine (docs/benchmarks.md, "A door that says no in milliseconds"): 300 connections
+at once against a bare ASGI app that answers 429 drain in ~200 ms under hypercorn and in
+~60-110 ms with h11 alone; the same flood against Sluice, 16 streams decoding, took ~230-310
+ms to refuse. Kept-alive connections' later requests go through hypercorn, where
+`door.DoorFastPath` refuses in the ASGI layer with the same rule (`door.refusal_at_the_door`).
+
+`serve_http` is hypercorn's trio worker (`hypercorn.trio.run.worker_serve`: lifespan,
+sockets, graceful shutdown) with the listener's handler this door; it uses hypercorn's
+TCPServer, Lifespan and WorkerContext, which is why pyproject.toml bounds hypercorn's
+version. Plain TCP only: Sluice binds no TLS (a TLS front ends in front of it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import h11
+import trio
+from hypercorn.config import Config
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+from .door import PATHS, refusal_at_the_door
+from .errors import APIError
+from .state import ServerState
+
+log = logging.getLogger("sluice.server")
+
+FIRST_REQUEST_S = 1.0  # a first request not read whole by then is hypercorn's to read
+READ_BYTES = 65536
+
+
+class Replayed(trio.abc.HalfCloseableStream):
+    """A connection whose first bytes were already read: they come first, then the socket.
+    What hypercorn's TCPServer uses of a `trio.SocketStream` (it has no `do_handshake`, so
+    hypercorn takes it for plain TCP)."""
+
+    def __init__(self, stream: trio.SocketStream, data: bytes) -> None:
+        self.stream = stream
+        self.socket = stream.socket
+        self._data = data
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._data:
+            data, self._data = self._data, b""
+            await trio.lowlevel.checkpoint()
+            return data
+        return await self.stream.receive_some(max_bytes)
+
+    async def send_all(self, data) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _door_kind(request: h11.Request) -> str | None:
+    """The completion kind of a request the door may answer, or None (anything else, or a
+    client waiting for `100 Continue`, which hypercorn answers)."""
+    if request.method != b"POST":
+        return None
+    if any(k == b"expect" for k, _ in request.headers):
+        return None
+    return PATHS.get(request.target.split(b"?", 1)[0].decode("latin-1"))
+
+
+def _response(conn: h11.Connection, err: APIError) -> bytes:
+    body = err.body()
+    headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    headers += [(k.lower(), v) for k, v in err.headers.items()]
+    return (conn.send(h11.Response(status_code=err.status, headers=headers))
+            + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+
+
+async def front_door(state: ServerState, max_body_bytes: int,
+                     hand_over: Callable[[trio.abc.Stream], Awaitable[None]],
+                     stream: trio.SocketStream) -> None:
+    """Read a new connection's first request; answer it here if the door refuses it, then
+    (or else) hand the connection, with what was read and not answered, to hypercorn."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+    read = bytearray()  # everything received: replayed when hypercorn answers instead
+    kind = authorization = None
+    body: list[bytes] = []
+    size, complete = 0, False
+    with trio.move_on_after(FIRST_REQUEST_S):
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(READ_BYTES)
+                    if not data:  # gone before a whole request
+                        await stream.aclose()
+                        return
+                    read += data
+                    conn.receive_data(data)
+                elif isinstance(event, h11.Request):
+                    kind = _door_kind(event)
+                    if kind is None:
+                        break
+                    authorization = next((v.decode("latin-1") for k, v in event.headers
+                                          if k == b"authorization"), None)
+                elif isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > max_body_bytes:
+                        break
+                    body.append(event.data)
+                else:
+                    complete = isinstance(event, h11.EndOfMessage)
+                    break
+        except h11.RemoteProtocolError:  # not HTTP/1.1 as h11 reads it: hypercorn answers
+            complete = False
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.aclose()
+            return
+    err = None
+    if complete and kind is not None:
+        err = refusal_at_the_door(state, kind, b"".join(body), authorization)
+    if err is None:
+        return await hand_over(Replayed(stream, bytes(read)))
+    try:
+        await stream.send_all(_response(conn, err))
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()  # kept alive: the next requests are hypercorn's
+            return await hand_over(Replayed(stream, conn.trailing_data[0]))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+        pass
+    await stream.aclose()
+
+
+async def serve_http(app, config: Config, state: ServerState, *,
+                     shutdown_trigger: Callable[..., Awaitable[None]],
+                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                     ) -> None:
+    """hypercorn's `hypercorn.trio.serve` for an ASGI app on plain TCP, every new
+    connection through `front_door` first. Returns once the shutdown trigger fired and the
+    connections closed (or `config.graceful_timeout` passed)."""
+    app = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    lifespan_state: dict = {}
+    lifespan = Lifespan(app, config, lifespan_state)
+    context = WorkerContext(None)
+    max_body = state.settings.server.max_body_bytes
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            sockets = config.create_sockets()
+            listeners, binds = [], []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+                log.info("Running on %s", binds[-1])
+
+            async def hypercorn(stream: trio.abc.Stream) -> None:
+                await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()),
+                                stream)  # type: ignore[arg-type]
+
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(partial(
+                        trio.serve_listeners,
+                        partial(front_door, state, max_body, hypercorn), listeners,
+                        handler_nursery=server_nursery))
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, others = error.split((ShutdownError, KeyboardInterrupt))
+                if others is not None:
+                    raise others
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = (trio.current_time()
+                                                        + config.graceful_timeout)
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
