@@ -19,7 +19,10 @@ version. Plain TCP only: Sluice binds no TLS (a TLS front ends in front of it).
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -40,6 +43,9 @@ log = logging.getLogger("sluice.server")
 
 FIRST_REQUEST_S = 1.0  # a first request not read whole by then is hypercorn's to read
 READ_BYTES = 65536
+ACCEPT_BATCH = 64  # connections accepted a turn, before the loop lets other tasks run
+# accept(2)'s errors that say the system is out of descriptors or memory, for now
+ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
 class Replayed(trio.abc.HalfCloseableStream):
@@ -90,59 +96,171 @@ def _response(conn: h11.Connection, err: APIError) -> bytes:
             + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
 
 
-async def front_door(state: ServerState, max_body_bytes: int,
-                     hand_over: Callable[[trio.abc.Stream], Awaitable[None]],
-                     stream: trio.SocketStream) -> None:
-    """Read a new connection's first request; answer it here if the door refuses it, then
-    (or else) hand the connection, with what was read and not answered, to hypercorn."""
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
-    read = bytearray()  # everything received: replayed when hypercorn answers instead
-    kind = authorization = None
-    body: list[bytes] = []
-    size, complete = 0, False
-    with trio.move_on_after(FIRST_REQUEST_S):
+class _First:
+    """A new connection's first request, as far as h11 has read it."""
+
+    def __init__(self, max_body_bytes: int) -> None:
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        self.read = bytearray()  # everything received: replayed when hypercorn answers
+        self.max_body_bytes = max_body_bytes
+        self.kind: str | None = None
+        self.authorization: str | None = None
+        self.body: list[bytes] = []
+        self.size = 0
+
+    def feed(self, data: bytes) -> bool | None:
+        """Take `data` (not empty): True once a whole request the door may answer is in,
+        False when it is not one (another path, too big, not HTTP/1.1 as h11 reads it:
+        hypercorn's), None while more is needed."""
+        self.read += data
+        self.conn.receive_data(data)
         try:
             while True:
-                event = conn.next_event()
+                event = self.conn.next_event()
                 if event is h11.NEED_DATA:
-                    data = await stream.receive_some(READ_BYTES)
-                    if not data:  # gone before a whole request
-                        await stream.aclose()
-                        return
-                    read += data
-                    conn.receive_data(data)
-                elif isinstance(event, h11.Request):
-                    kind = _door_kind(event)
-                    if kind is None:
-                        break
-                    authorization = next((v.decode("latin-1") for k, v in event.headers
-                                          if k == b"authorization"), None)
+                    return None
+                if isinstance(event, h11.Request):
+                    self.kind = _door_kind(event)
+                    if self.kind is None:
+                        return False
+                    self.authorization = next((v.decode("latin-1") for k, v in event.headers
+                                               if k == b"authorization"), None)
                 elif isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > max_body_bytes:
-                        break
-                    body.append(event.data)
+                    self.size += len(event.data)
+                    if self.size > self.max_body_bytes:
+                        return False
+                    self.body.append(event.data)
                 else:
-                    complete = isinstance(event, h11.EndOfMessage)
-                    break
-        except h11.RemoteProtocolError:  # not HTTP/1.1 as h11 reads it: hypercorn answers
-            complete = False
+                    return isinstance(event, h11.EndOfMessage)
+        except h11.RemoteProtocolError:
+            return False
+
+    def answer(self, state: ServerState) -> bytes | None:
+        """The door's refusal of the whole request read, as bytes to send; None: the app's."""
+        err = refusal_at_the_door(state, self.kind or "", b"".join(self.body),
+                                  self.authorization)
+        return None if err is None else _response(self.conn, err)
+
+    def kept_alive(self) -> bytes | None:
+        """After the answer: what the client sent past the request (hypercorn's, the
+        connection kept alive), or None when the connection is to close."""
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+            return self.conn.trailing_data[0]
+        return None
+
+
+async def front_door(state: ServerState, max_body_bytes: int,
+                     hand_over: Callable[[trio.abc.Stream], Awaitable[None]],
+                     stream: trio.SocketStream, first: _First | None = None) -> None:
+    """Read a new connection's first request (`first`: what the accept loop read of it);
+    answer it here if the door refuses it, then (or else) hand the connection, with what
+    was read and not answered, to hypercorn."""
+    first = first or _First(max_body_bytes)
+    whole = None
+    with trio.move_on_after(FIRST_REQUEST_S):
+        try:
+            while whole is None:
+                data = await stream.receive_some(READ_BYTES)
+                if not data:  # gone before a whole request
+                    return await stream.aclose()
+                whole = first.feed(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.aclose()
-            return
-    err = None
-    if complete and kind is not None:
-        err = refusal_at_the_door(state, kind, b"".join(body), authorization)
-    if err is None:
-        return await hand_over(Replayed(stream, bytes(read)))
+            return await stream.aclose()
+    answer = first.answer(state) if whole else None
+    if answer is None:
+        return await hand_over(Replayed(stream, bytes(first.read)))
     try:
-        await stream.send_all(_response(conn, err))
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            conn.start_next_cycle()  # kept alive: the next requests are hypercorn's
-            return await hand_over(Replayed(stream, conn.trailing_data[0]))
+        await stream.send_all(answer)
+        rest = first.kept_alive()
+        if rest is not None:  # the next requests are hypercorn's
+            return await hand_over(Replayed(stream, rest))
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
         pass
     await stream.aclose()
+
+
+async def _handle(handler: Callable[..., Awaitable[None]], sock: socket.socket,
+                  *args) -> None:
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    try:
+        await handler(stream, *args)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def accept_loop(listening: socket.socket, state: ServerState, max_body_bytes: int,
+                      hand_over: Callable[[trio.abc.Stream], Awaitable[None]],
+                      nursery: trio.Nursery) -> None:
+    """Accept what the kernel queued, up to `ACCEPT_BATCH` connections a turn. A request
+    already in whole when its connection is accepted (a flood's are, but for the first few)
+    is judged at once: a refusal is sent and the socket closed without a task, a stream
+    or a cancel scope for it; every other connection gets a `front_door` task. Accept
+    errors that mean the system is out of descriptors or memory wait 100 ms, as
+    `trio.serve_listeners` does."""
+    door = partial(front_door, state, max_body_bytes, hand_over)
+    listening.setblocking(False)
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(listening)
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    sock, _ = listening.accept()
+                except BlockingIOError:
+                    break
+                except OSError as e:
+                    if e.errno not in ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    log.error("accept: %s; retrying in 0.1 s", os.strerror(e.errno))
+                    await trio.sleep(0.1)
+                    break
+                sock.setblocking(False)
+                try:
+                    data = sock.recv(READ_BYTES)
+                except BlockingIOError:
+                    nursery.start_soon(_handle, door, sock)
+                    continue
+                except OSError:
+                    sock.close()
+                    continue
+                if not data:
+                    sock.close()
+                    continue
+                first = _First(max_body_bytes)
+                whole = first.feed(data)
+                if whole is None:
+                    nursery.start_soon(_handle, door, sock, first)
+                    continue
+                answer = first.answer(state) if whole else None
+                if answer is None:
+                    nursery.start_soon(_handle, _replay, sock, hand_over, first.read)
+                    continue
+                try:
+                    sent = sock.send(answer)
+                except (BlockingIOError, OSError):
+                    sent = 0
+                rest = first.kept_alive() if sent == len(answer) else None
+                if rest is not None:
+                    nursery.start_soon(_handle, _replay, sock, hand_over, rest)
+                elif sent == len(answer):
+                    sock.close()
+                else:  # (a full send buffer on a new connection: not seen, but possible)
+                    nursery.start_soon(_handle, _send_rest, sock, answer[sent:], first, hand_over)
+            await trio.lowlevel.checkpoint()
+    finally:
+        listening.close()
+
+
+async def _replay(stream: trio.SocketStream, hand_over, data) -> None:
+    await hand_over(Replayed(stream, bytes(data)))
+
+
+async def _send_rest(stream: trio.SocketStream, rest: bytes, first: _First,
+                     hand_over) -> None:
+    await stream.send_all(rest)
+    after = first.kept_alive()
+    if after is not None:
+        await hand_over(Replayed(stream, after))
 
 
 async def serve_http(app, config: Config, state: ServerState, *,
@@ -165,7 +283,7 @@ async def serve_http(app, config: Config, state: ServerState, *,
             listeners, binds = [], []
             for sock in sockets.insecure_sockets:
                 sock.listen(config.backlog)
-                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                listeners.append(sock)
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
                 log.info("Running on %s", binds[-1])
 
@@ -178,10 +296,9 @@ async def serve_http(app, config: Config, state: ServerState, *,
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
                     nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(partial(
-                        trio.serve_listeners,
-                        partial(front_door, state, max_body, hypercorn), listeners,
-                        handler_nursery=server_nursery))
+                    for sock in listeners:
+                        nursery.start_soon(accept_loop, sock, state, max_body, hypercorn,
+                                           server_nursery)
                     await trio.sleep_forever()
             except BaseExceptionGroup as error:
                 _, others = error.split((ShutdownError, KeyboardInterrupt))

@@ -184,3 +184,53 @@ async def test_what_the_front_door_does_not_answer_hypercorn_does():
             assert r.status_code == 429
         await srv.wait_idle()
         assert srv.pages_in_use() == 0 and not srv.state.flights
+
+
+async def test_a_request_already_in_when_accepted_is_answered_without_a_task(
+        monkeypatch: pytest.MonkeyPatch):
+    """The accept loop reads what a new connection already sent: a whole refused request
+    is answered and the socket closed at once (kept alive: handed over after the 429), a
+    request the door does not answer goes to hypercorn with its bytes replayed; no
+    `front_door` task is started for either."""
+    import socket
+
+    import trio
+
+    import app.front_door
+
+    def no_task(*args, **kwargs):
+        raise AssertionError("a front_door task was started")
+
+    monkeypatch.setattr(app.front_door, "front_door", no_task)
+    payload = httpx.Request("POST", "/", json=_body()).content
+    async with serve(settings(max_waiting=0)) as srv:
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(16)
+        sent = [_post(payload, close=True), _post(payload),
+                b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]
+        clients = []
+        for request in sent:  # all in before the loop accepts
+            c = socket.create_connection(listening.getsockname())
+            c.sendall(request)
+            clients.append(trio.SocketStream(trio.socket.from_stdlib_socket(c)))
+        handed: list[bytes] = []
+
+        async def hand_over(stream) -> None:
+            handed.append(await stream.receive_some(65536))
+            await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app.front_door.accept_loop, listening, srv.state, 65536,
+                               hand_over, nursery)
+            closed, kept, health = clients
+            assert (await _Reader(closed).response())[0] == 429
+            assert await closed.receive_some(10) == b""  # closed at once
+            assert (await _Reader(kept).response())[0] == 429
+            await kept.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _Reader(kept).response())[0] == 204  # hypercorn's, next
+            assert (await _Reader(health).response())[0] == 204
+            nursery.cancel_scope.cancel()
+        assert sorted(handed) == sorted([sent[2]] * 2)
+        for c in clients:
+            await c.aclose()
