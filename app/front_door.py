@@ -1,18 +1,22 @@
 """The front door: the first request on every new connection is read here, with h11, before
 hypercorn builds a protocol, a task group, timers and an ASGI scope for it. A completion
 request the precheck refuses gets its 429 from here; everything else (the request read so
-far replayed) is hypercorn's, as if it had read it itself.
+far replayed) is hypercorn's, as if it had read it itself. A request already in whole when
+its connection is accepted (in a flood, all but the first few) is judged by the accept
+loop itself: a refusal costs no task, stream or cancel scope.
 
 Why: a refusal is only worth giving fast, and in a flood of new connections what a refusal
 costs on the one event loop is what the HTTP stack spends per connection. Measured on this
 2-core machine (docs/benchmarks.md, "A door that says no in milliseconds"): 300 connections
 at once against a bare ASGI app that answers 429 drain in ~200 ms under hypercorn and in
-~60-110 ms with h11 alone; the same flood against Sluice, 16 streams decoding, took ~230-310
-ms to refuse. Kept-alive connections' later requests go through hypercorn, where
-`door.DoorFastPath` refuses in the ASGI layer with the same rule (`door.refusal_at_the_door`).
+~60-110 ms with h11 alone; the same flood against Sluice, 16 streams decoding, was refused
+in 0.48-0.59 s (p99) through hypercorn and is in 0.15-0.33 s through this door. Kept-alive
+connections' later requests go through hypercorn, where `door.DoorFastPath` refuses in
+the ASGI layer with the same rule (`door.refusal_at_the_door`).
 
 `serve_http` is hypercorn's trio worker (`hypercorn.trio.run.worker_serve`: lifespan,
-sockets, graceful shutdown) with the listener's handler this door; it uses hypercorn's
+sockets, graceful shutdown) with this module's accept loop in place of
+`trio.serve_listeners`; it uses hypercorn's
 TCPServer, Lifespan and WorkerContext, which is why pyproject.toml bounds hypercorn's
 version. Plain TCP only: Sluice binds no TLS (a TLS front ends in front of it).
 """
