@@ -143,7 +143,10 @@ class _First:
         """The door's refusal of the whole request read, as bytes to send; None: the app's."""
         err = refusal_at_the_door(state, self.kind or "", b"".join(self.body),
                                   self.authorization)
-        return None if err is None else _response(self.conn, err)
+        try:
+            return None if err is None else _response(self.conn, err)
+        except h11.LocalProtocolError:  # (h11 will not answer this request: hypercorn may)
+            return None
 
     def kept_alive(self) -> bytes | None:
         """After the answer: what the client sent past the request (hypercorn's, the
@@ -241,8 +244,11 @@ async def accept_loop(listening: socket.socket, state: ServerState, max_body_byt
                     continue
                 try:
                     sent = sock.send(answer)
-                except (BlockingIOError, OSError):
+                except BlockingIOError:
                     sent = 0
+                except OSError:  # reset by the client meanwhile
+                    sock.close()
+                    continue
                 rest = first.kept_alive() if sent == len(answer) else None
                 if rest is not None:
                     nursery.start_soon(_handle, _replay, sock, hand_over, rest)
@@ -261,7 +267,10 @@ async def _replay(stream: trio.SocketStream, hand_over, data) -> None:
 
 async def _send_rest(stream: trio.SocketStream, rest: bytes, first: _First,
                      hand_over) -> None:
-    await stream.send_all(rest)
+    try:
+        await stream.send_all(rest)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return
     after = first.kept_alive()
     if after is not None:
         await hand_over(Replayed(stream, after))

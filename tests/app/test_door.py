@@ -234,3 +234,38 @@ async def test_a_request_already_in_when_accepted_is_answered_without_a_task(
         assert sorted(handed) == sorted([sent[2]] * 2)
         for c in clients:
             await c.aclose()
+
+
+async def test_clients_that_reset_before_they_are_accepted_cost_nothing():
+    """Requests sent and reset (RST) before the accept loop gets to them: each socket is
+    closed, the loop goes on, and the next client is answered."""
+    import socket
+    import struct
+
+    import trio
+
+    import app.front_door
+
+    payload = httpx.Request("POST", "/", json=_body()).content
+    async with serve(settings(max_waiting=0)) as srv:
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(16)
+        for _ in range(5):
+            c = socket.create_connection(listening.getsockname())
+            c.sendall(_post(payload))
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.close()  # RST
+        c = socket.create_connection(listening.getsockname())
+        c.sendall(_post(payload, close=True))
+        last = trio.SocketStream(trio.socket.from_stdlib_socket(c))
+
+        async def hand_over(stream) -> None:
+            raise AssertionError("nothing here is hypercorn's")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app.front_door.accept_loop, listening, srv.state, 65536,
+                               hand_over, nursery)
+            assert (await _Reader(last).response())[0] == 429
+            nursery.cancel_scope.cancel()
+        await last.aclose()
