@@ -105,7 +105,10 @@ async def test_flooded_small_queue_gets_fast_429s_and_admitted_complete():
         assert srv.pages_in_use() == 0
         assert srv.pool.admitting == 0  # every request past the precheck was counted out
 
-    assert statuses.count(200) >= 6 and refusals, statuses
+    # The queue bound's 4 are admitted at least; the 2 running slots too when the engine
+    # took its first requests before the flood was all refused (the front door answers
+    # most of it within a step: not always).
+    assert statuses.count(200) >= 4 and refusals, statuses
     for _, r in refusals:
         err = r.json()["error"]
         assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
