@@ -34,18 +34,65 @@ def refusal_at_the_door(state: ServerState, kind: str, body: bytes,
     its precheck, found without tokenizing or awaiting anything; None when it would get
     further (or fail earlier: 503 phase, 401, 400, 404, which `admit` answers itself).
     `DoorFastPath` answers it before Quart builds a request for it."""
+    return judge(state, kind, body, authorization)[0]
+
+
+def judge(state: ServerState, kind: str, body: bytes, authorization: str | None
+          ) -> tuple[APIError | None, list]:
+    """`refusal_at_the_door`, and the pools whose precheck passed the request (empty when
+    refused, or when `admit` will answer it otherwise)."""
     if state.phase is not Phase.READY or state.router is None:
-        return None
+        return None, []
     try:
         state.tenants.authenticate(authorization)  # (the key first, as `admit` checks it)
         p = responses.parse(body)[0] if kind == "responses" else parse(kind, body)
         candidates = state.router.candidates(p.req.model)
         precheck_pools(candidates, p.max_tokens)
     except APIError as e:
-        return e if e.status in (429, 503) else None
+        return (e if e.status in (429, 503) else None), []
     except Exception:  # noqa: BLE001 (whatever `admit` would make of it, it says)
-        return None
-    return None
+        return None, []
+    return None, candidates
+
+
+class Passes:
+    """Requests the front door passed that the ASGI layer has not reached yet, by client
+    address (a connection's first request; app/front_door.py). Each counts as ahead in
+    its pools' precheck (`Pool.admitting`) from the moment the door passes it, as it will
+    once it is being tokenized: a flood on new connections is judged at the front door
+    in one go, before hypercorn has read any of it, and without this every request of
+    it saw nothing ahead and went on to be tokenized and refused one by one. An entry
+    the ASGI layer never claims (the client went away first) is released after `TTL_S`."""
+
+    TTL_S = 5.0
+
+    def __init__(self) -> None:
+        self._held: dict[tuple, tuple[float, list]] = {}  # client -> (when, pools)
+
+    def hold(self, client: tuple, pools: list, now: float) -> None:
+        self.expire(now)
+        self.release(client)  # (a new connection from a reused address)
+        for p in pools:
+            p.admitting += 1
+        self._held[client] = (now, pools)
+
+    def release(self, client: tuple | None) -> bool:
+        held = self._held.pop(client, None) if client is not None else None
+        if held is None:
+            return False
+        for p in held[1]:
+            p.admitting -= 1
+        return True
+
+    def expire(self, now: float) -> None:
+        while self._held:
+            client, (when, _) = next(iter(self._held.items()))
+            if now - when < self.TTL_S:
+                break
+            self.release(client)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 async def send_error(send: Callable, err: APIError, *, close: bool = False) -> None:
@@ -70,6 +117,10 @@ class DoorFastPath:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         kind = PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        client = scope.get("client")
+        passes = self.state.door_passes
+        if client is not None and passes is not None:  # the front door's pass ends here
+            passes.release(tuple(client[:2]))
         if kind is None or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         messages: list[dict] = []  # what was read, replayed to the app

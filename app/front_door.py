@@ -39,7 +39,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
-from .door import PATHS, refusal_at_the_door
+from .door import PATHS, Passes, judge
 from .errors import APIError
 from .state import ServerState
 
@@ -139,10 +139,13 @@ class _First:
         except h11.RemoteProtocolError:
             return False
 
-    def answer(self, state: ServerState) -> bytes | None:
-        """The door's refusal of the whole request read, as bytes to send; None: the app's."""
-        err = refusal_at_the_door(state, self.kind or "", b"".join(self.body),
-                                  self.authorization)
+    def answer(self, state: ServerState, client: tuple) -> bytes | None:
+        """The door's refusal of the whole request read, as bytes to send; None: the app's
+        (a request the precheck passed is held as ahead in its pools until the app has it:
+        `door.Passes`)."""
+        err, passed = judge(state, self.kind or "", b"".join(self.body), self.authorization)
+        if passed:
+            state.door_passes.hold(client[:2], passed, trio.current_time())
         try:
             return None if err is None else _response(self.conn, err)
         except h11.LocalProtocolError:  # (h11 will not answer this request: hypercorn may)
@@ -174,7 +177,7 @@ async def front_door(state: ServerState, max_body_bytes: int,
                 whole = first.feed(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return await stream.aclose()
-    answer = first.answer(state) if whole else None
+    answer = first.answer(state, _peer(stream.socket)) if whole else None
     if answer is None:
         return await hand_over(Replayed(stream, bytes(first.read)))
     try:
@@ -185,6 +188,13 @@ async def front_door(state: ServerState, max_body_bytes: int,
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
         pass
     await stream.aclose()
+
+
+def _peer(sock) -> tuple:
+    try:
+        return tuple(sock.getpeername())
+    except OSError:
+        return ("", 0)
 
 
 async def _handle(handler: Callable[..., Awaitable[None]], sock: socket.socket,
@@ -212,7 +222,7 @@ async def accept_loop(listening: socket.socket, state: ServerState, max_body_byt
             await trio.lowlevel.wait_readable(listening)
             for _ in range(ACCEPT_BATCH):
                 try:
-                    sock, _ = listening.accept()
+                    sock, client = listening.accept()
                 except BlockingIOError:
                     break
                 except OSError as e:
@@ -238,7 +248,7 @@ async def accept_loop(listening: socket.socket, state: ServerState, max_body_byt
                 if whole is None:
                     nursery.start_soon(_handle, door, sock, first)
                     continue
-                answer = first.answer(state) if whole else None
+                answer = first.answer(state, client) if whole else None
                 if answer is None:
                     nursery.start_soon(_handle, _replay, sock, hand_over, first.read)
                     continue
@@ -288,6 +298,7 @@ async def serve_http(app, config: Config, state: ServerState, *,
     lifespan = Lifespan(app, config, lifespan_state)
     context = WorkerContext(None)
     max_body = state.settings.server.max_body_bytes
+    state.door_passes = Passes()
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()

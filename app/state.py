@@ -112,6 +112,7 @@ class ServerState:
     drain_requested: trio.Event = field(default_factory=trio.Event)
     drain_now: trio.Event = field(default_factory=trio.Event)  # end running streams at once
     batches: Any = None  # app.batches.Batches once the store is open (None: batch jobs off)
+    door_passes: Any = None  # app.door.Passes: the front door's passes not yet in the app
 
     def request_drain(self, now: bool = False) -> None:
         """Begin a graceful shutdown (what SIGINT/SIGTERM do); server.py carries it out.

@@ -117,13 +117,13 @@ async def test_the_front_door_refuses_a_new_connections_first_request(
     import app.front_door
 
     asked: list[str] = []
-    real = app.front_door.refusal_at_the_door
+    real = app.front_door.judge
 
     def counting(state, kind, body, authorization):
         asked.append(kind)
         return real(state, kind, body, authorization)
 
-    monkeypatch.setattr(app.front_door, "refusal_at_the_door", counting)
+    monkeypatch.setattr(app.front_door, "judge", counting)
     payload = httpx.Request("POST", "/", json=_body()).content
     async with serve(settings(max_waiting=0)) as srv:
         stream = await _open(srv)
@@ -269,3 +269,47 @@ async def test_clients_that_reset_before_they_are_accepted_cost_nothing():
             assert (await _Reader(last).response())[0] == 429
             nursery.cancel_scope.cancel()
         await last.aclose()
+
+
+async def test_the_front_doors_passes_count_as_ahead_until_the_app_has_them():
+    """Six whole requests judged in one turn of the accept loop, a queue bound of 2: the
+    first two pass and each counts as ahead in the pool's precheck at once, so the other
+    four are refused there, not passed on to be tokenized and refused one by one. A pass
+    the app never claims is released after `Passes.TTL_S`."""
+    import socket
+
+    import trio
+
+    import app.front_door
+
+    payload = httpx.Request("POST", "/", json=_body()).content
+    async with serve(settings(max_waiting=2)) as srv:
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(16)
+        clients = []
+        for _ in range(6):
+            c = socket.create_connection(listening.getsockname())
+            c.sendall(_post(payload, close=True))
+            clients.append(trio.SocketStream(trio.socket.from_stdlib_socket(c)))
+        handed = []
+
+        async def hand_over(stream) -> None:
+            handed.append(await stream.receive_some(65536))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app.front_door.accept_loop, listening, srv.state, 65536,
+                               hand_over, nursery)
+            statuses = []
+            for c in clients[2:]:
+                statuses.append((await _Reader(c).response())[0])
+            while len(handed) < 2:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert statuses == [429] * 4 and len(handed) == 2
+        passes = srv.state.door_passes
+        assert len(passes) == 2 and srv.pool.admitting == 2  # the app never had them
+        passes.expire(trio.current_time() + passes.TTL_S)
+        assert len(passes) == 0 and srv.pool.admitting == 0
+        for c in clients:
+            await c.aclose()
