@@ -3,14 +3,16 @@ hypercorn builds a protocol, a task group, timers and an ASGI scope for it. A co
 request the precheck refuses gets its 429 from here; everything else (the request read so
 far replayed) is hypercorn's, as if it had read it itself. A request already in whole when
 its connection is accepted (in a flood, all but the first few) is judged by the accept
-loop itself: a refusal costs no task, stream or cancel scope.
+loop itself: a refusal costs no task, stream or cancel scope. A request the door passes
+counts as ahead in its pools' precheck until the ASGI layer has it (`door.Passes`): the
+rest of a flood judged in the same turn sees it.
 
 Why: a refusal is only worth giving fast, and in a flood of new connections what a refusal
 costs on the one event loop is what the HTTP stack spends per connection. Measured on this
 2-core machine (docs/benchmarks.md, "A door that says no in milliseconds"): 300 connections
 at once against a bare ASGI app that answers 429 drain in ~200 ms under hypercorn and in
 ~60-110 ms with h11 alone; the same flood against Sluice, 16 streams decoding, was refused
-in 0.48-0.59 s (p99) through hypercorn and is in 0.15-0.33 s through this door. Kept-alive
+in 0.48-0.59 s (p99) through hypercorn and is in 0.12-0.14 s through this door. Kept-alive
 connections' later requests go through hypercorn, where `door.DoorFastPath` refuses in
 the ASGI layer with the same rule (`door.refusal_at_the_door`).
 
