@@ -8,10 +8,13 @@ request (``Connection: close``), timed from the connect to the status line, so t
 figures hold the accept, the HTTP parse, the body decode, the tokenizer and the door:
 what a client waits for a 429. Admitted flood requests (16-token answers) are read to the
 end. Prints one JSON line: the flood's statuses, 429 latency p50/p95/p99/max, how many
-429s carried a Retry-After, 5xx, /health p50/p99 before (the baseline, same streams) and
-during the flood, and the 16 streams' output tok/s and ITL p95 over the run.
+429s carried a Retry-After, 5xx, /health p50/p99 before (the baseline, same streams),
+during the flood, and while its refusals were being answered (probes sent before the last
+429 came: the same moment, without an admitted answer's streaming after it), and the 16
+streams' output tok/s and ITL p95 over the run.
 
     .venv/bin/python benchmarks/flood.py URL [--flood 300] [--streams 16] [--warm-s 20]
+        [--probe-interval-s 0.01]
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class Flood:
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.results: list[tuple[int, float, bool]] = []  # status, seconds, retry-after
         self.health: dict[str, list[float]] = {"baseline": [], "flood": []}
+        # flood-phase probes: (sent at, seconds); compared with the refusals' own moment
+        self.flood_probes: list[tuple[float, float]] = []
+        self.last_refusal_at = 0.0  # when the flood's last 429 status line came
         self.phase = "warm"
 
     async def probe(self) -> None:
@@ -87,9 +93,12 @@ class Flood:
         not waiting for the last: a slow answer does not thin out the samples."""
 
         async def once(phase: str) -> None:
+            sent = time.perf_counter()
             status, s, _ = await http_once(self.host, self.port, "GET", "/health")
             if status == 200:
                 self.health[phase].append(s)
+                if phase == "flood":
+                    self.flood_probes.append((sent, s))
 
         async with trio.open_nursery() as nursery:
             while True:
@@ -98,11 +107,14 @@ class Flood:
                 await trio.sleep(self.args.probe_interval_s)
 
     async def one(self, body: bytes) -> None:
+        sent = time.perf_counter()
         try:
             status, s, headers = await http_once(self.host, self.port, "POST",
                                                  "/v1/chat/completions", body, read_all=True)
         except OSError:
             status, s, headers = -1, 0.0, {}
+        if status == 429:
+            self.last_refusal_at = max(self.last_refusal_at, sent + s)
         retry = "retry-after" in headers or "retry-after-ms" in headers
         self.results.append((status, s, retry))
 
@@ -151,6 +163,10 @@ class Flood:
             "latency_admitted_s": dist([s for st, s, _ in self.results if st == 200]),
             "health_baseline_s": dist(self.health["baseline"]),
             "health_during_flood_s": dist(self.health["flood"]),
+            # the probes sent while the refusals were being answered (before the last 429
+            # came): the same moment, without the admitted answers' streaming after it
+            "health_while_refusing_s": dist([s for sent, s in self.flood_probes
+                                             if sent <= self.last_refusal_at]),
             "streams_output_tok_s": streams["output_tok_s"],
             "streams_itl_s": streams["itl_s"],
             "streams_ttft_s": streams["ttft_from_first_send_s"],
@@ -165,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-s", type=float, default=20.0)
     ap.add_argument("--baseline-s", type=float, default=5.0)
     ap.add_argument("--tail-s", type=float, default=5.0)
-    ap.add_argument("--probe-interval-s", type=float, default=0.05)
+    # 10 ms: a probe waits behind the flood's connections like a refusal, so its latency
+    # is the drain time less its offset into the flood; 50 ms apart, 2-4 probes landed in
+    # a 150-250 ms drain and the first one's offset alone moved the 429 / /health ratio
+    # between 1.0 and 1.4x (docs/benchmarks.md, "A door that says no in milliseconds").
+    ap.add_argument("--probe-interval-s", type=float, default=0.01)
     args = ap.parse_args(argv)
     print(json.dumps(trio.run(Flood(args).run)))
     return 0

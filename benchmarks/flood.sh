@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The door under a flood (benchmarks/flood.py): a freshly started server (default preset
 # plus SERVE_ARGS) streaming to 16 polite clients, then FLOOD requests at once on new
-# connections, /health probed before and during. SRC: another checkout to run the server
+# connections, /health probed before and during (every 10 ms). SRC: another checkout to run the server
 # from (an A/B against older code); the load generator is always this one's. JSON in
 # OUT/flood.json.
 #   FLOOD=300 benchmarks/flood.sh OUT_DIR [PORT] [SRC]
