@@ -12,7 +12,7 @@ costs on the one event loop is what the HTTP stack spends per connection. Measur
 2-core machine (docs/benchmarks.md, "A door that says no in milliseconds"): 300 connections
 at once against a bare ASGI app that answers 429 drain in ~200 ms under hypercorn and in
 ~60-110 ms with h11 alone; the same flood against Sluice, 16 streams decoding, was refused
-in 0.48-0.59 s (p99) through hypercorn and is in 0.12-0.14 s through this door. Kept-alive
+in 0.48-0.60 s (p99) through hypercorn and is in 0.12-0.20 s through this door. Kept-alive
 connections' later requests go through hypercorn, where `door.DoorFastPath` refuses in
 the ASGI layer with the same rule (`door.refusal_at_the_door`).
 
