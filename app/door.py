@@ -76,13 +76,10 @@ class Passes:
             p.admitting += 1
         self._held[client] = (now, pools)
 
-    def release(self, client: tuple | None) -> bool:
-        held = self._held.pop(client, None) if client is not None else None
-        if held is None:
-            return False
-        for p in held[1]:
+    def release(self, client: tuple) -> None:
+        held = self._held.pop(client, None)
+        for p in held[1] if held is not None else ():
             p.admitting -= 1
-        return True
 
     def expire(self, now: float) -> None:
         while self._held:

@@ -181,15 +181,22 @@ async def front_door(state: ServerState, max_body_bytes: int,
             return await stream.aclose()
     answer = first.answer(state, _peer(stream.socket)) if whole else None
     if answer is None:
-        return await hand_over(Replayed(stream, bytes(first.read)))
+        return await _replay(stream, hand_over, first.read)
+    await _answered(stream, answer, first, hand_over)
+
+
+async def _answered(stream: trio.SocketStream, answer: bytes, first: _First,
+                    hand_over) -> None:
+    """Send the door's answer (or what the accept loop could not send of it); then the
+    connection, kept alive, is hypercorn's, or closed."""
     try:
         await stream.send_all(answer)
-        rest = first.kept_alive()
-        if rest is not None:  # the next requests are hypercorn's
-            return await hand_over(Replayed(stream, rest))
-    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
-        pass
-    await stream.aclose()
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return await stream.aclose()
+    rest = first.kept_alive()
+    if rest is None:
+        return await stream.aclose()
+    await _replay(stream, hand_over, rest)  # the next requests are hypercorn's
 
 
 def _peer(sock) -> tuple:
@@ -267,7 +274,8 @@ async def accept_loop(listening: socket.socket, state: ServerState, max_body_byt
                 elif sent == len(answer):
                     sock.close()
                 else:  # (a full send buffer on a new connection: not seen, but possible)
-                    nursery.start_soon(_handle, _send_rest, sock, answer[sent:], first, hand_over)
+                    nursery.start_soon(_handle, _answered, sock, answer[sent:], first,
+                                       hand_over)
             await trio.lowlevel.checkpoint()
     finally:
         listening.close()
@@ -275,17 +283,6 @@ async def accept_loop(listening: socket.socket, state: ServerState, max_body_byt
 
 async def _replay(stream: trio.SocketStream, hand_over, data) -> None:
     await hand_over(Replayed(stream, bytes(data)))
-
-
-async def _send_rest(stream: trio.SocketStream, rest: bytes, first: _First,
-                     hand_over) -> None:
-    try:
-        await stream.send_all(rest)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return
-    after = first.kept_alive()
-    if after is not None:
-        await hand_over(Replayed(stream, after))
 
 
 async def serve_http(app, config: Config, state: ServerState, *,
