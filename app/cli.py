@@ -121,6 +121,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-disk-dir", metavar="DIR",
                    help="KV tiers: a folder for pages below the host tier, kept across "
                         "restarts (config: kv_disk_dir; needs --kv-host-bytes)")
+    d = s.add_argument_group(
+        "prefill and decode apart", "the first pool's role (docs/operations.md, \"Prefill "
+        "and decode apart\"): a prefill server computes prompts for decode servers, which "
+        "stream the answers")
+    d.add_argument("--role", choices=["both", "prefill", "decode"],
+                   help="prefill: answer decode servers' POST /internal/prefill; decode: "
+                        "send prompts to --prefill-url servers (config: role; default both)")
+    d.add_argument("--prefill-url", action="append", metavar="URL",
+                   help="a prefill server's base URL, for --role decode (again for more; "
+                        "config: prefill_urls)")
     m = s.add_argument_group(
         "multi-host replica", "one replica over N processes (jax.distributed): process 0 "
         "serves HTTP, the others only run its steps on their devices (docs/operations.md)")
@@ -232,6 +242,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
                            served_model_names=[served_name(args.model)])
         if i == 0 and getattr(args, "served_model_name", None):
             pool = replace(pool, served_model_names=list(args.served_model_name))
+        roles = {k: v for k, v in (("role", getattr(args, "role", None)),
+                                   ("prefill_urls", getattr(args, "prefill_url", None)))
+                 if v is not None}
+        if i == 0 and roles:
+            try:
+                pool = replace(pool, **roles)
+            except ValueError as e:  # decode without a prefill URL, a URL without decode
+                raise ConfigError(f"--role / --prefill-url: {e}") from None
         pools.append(pool)
     return replace(settings, server=server, pools=pools)
 

@@ -5,7 +5,7 @@ phase (503) -> API key (401) -> body (400) -> model (404) -> tokenize -> context
 stream bound and tenant quota (429) -> input guardrail (bounded by its budget) ->
 `pool.submit` (429 at once when the engine's queue is full).
 
-(About 360 lines: the admission order above is one function's sequence, kept in one
+(About 390 lines: the admission order above is one function's sequence, kept in one
 place so a cheaper refusal can never move behind a costlier check.)
 """
 
@@ -80,7 +80,8 @@ async def admit(state: ServerState, kind: str, body: bytes, authorization: str |
     arrival = trio.current_time()
     check_phase(state)
     tenant = state.tenants.authenticate(authorization)
-    return await admit_parsed(state, kind, parse(kind, body), tenant, arrival)
+    return await admit_parsed(state, kind, parse(kind, body), tenant, arrival,
+                              authorization=authorization)
 
 
 def parse(kind: str, body: bytes) -> Parsed:
@@ -148,11 +149,13 @@ async def resolve(state: ServerState, kind: str, p: Parsed, tenant: Tenant
 
 
 async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
-                       arrival: float, *, batch: BatchRun | None = None) -> Admitted:
+                       arrival: float, *, batch: BatchRun | None = None,
+                       authorization: str | None = None) -> Admitted:
     """From a parsed request to a `Flight` in an engine. A batch job's request skips the
     stream bound and the tenant's interactive quota (the batch quota bounds it) and is
     not one of the server's flights (a drain does not wait for it: it runs again after
-    a restart)."""
+    a restart). A decode pool's prompt is computed by a prefill server first
+    (app/disagg.py; `authorization` goes with it)."""
     req = p.req
     n = req.n or 1
     sequences = getattr(req, "best_of", None) or n
@@ -220,7 +223,10 @@ async def admit_parsed(state: ServerState, kind: str, p: Parsed, tenant: Tenant,
             index=i,
             prompt_logprobs=p.logprobs if echo and p.logprobs is not None else None,
         ) for i in range(sequences)]
-        flight.submitted(*_submit_all(pool, greqs))
+        replica = None
+        if pool.remote is not None:
+            replica = await _prefill_remotely(pool, greqs[0], flight, authorization)
+        flight.submitted(*_submit_all(pool, greqs, replica))
         if flight.closed:
             raise unavailable("The server is shutting down.", "draining", DRAINING_RETRY_S)
     except BaseException:
@@ -299,15 +305,41 @@ def _refused(e: Overloaded) -> APIError:
                         e.retry_after_s, code=e.reason)
 
 
-def _submit_all(pool: Pool, greqs: list[GenerateRequest]) -> tuple[int, object]:
+async def _prefill_remotely(pool: Pool, greq: GenerateRequest, flight: Flight,
+                            authorization: str | None) -> int | None:
+    """A decode pool's prompt to a prefill server (app/disagg.py): the replica whose
+    inbox holds its pages (submit there), or None when it is computed here."""
+    replica = pool.least_busy()
+    engine = pool.engines[replica]
+    first = pool.remote.first_page(engine, greq)
+    if first is None:
+        return None
+    try:
+        reserved = engine.reserve_room(greq)
+    except Overloaded as e:
+        raise _refused(e) from None
+    except (EngineDead, ValueError):
+        return None  # submit says why
+    try:
+        keys = await pool.remote.prefill(engine, greq, first, authorization)
+    finally:
+        engine.release_room(reserved)
+    if keys:
+        flight.cleanup.append(lambda: engine.discard_pages(keys))
+    return replica
+
+
+def _submit_all(pool: Pool, greqs: list[GenerateRequest],
+                replica: int | None = None) -> tuple[int, object]:
     """Submit a request's choices: one, or `n` to one replica sharing an event stream (the
     scheduler admits the others once the first has computed the prompt, whose pages they
-    then share). All or none: a refusal of any takes back the others."""
+    then share). All or none: a refusal of any takes back the others. `replica`: the
+    one to submit to (None: the least busy)."""
     if len(greqs) == 1:
-        return _submit(pool, greqs[0])
+        return _submit(pool, greqs[0], replica=replica)
     send, recv = trio.open_memory_channel(CHOICE_EVENT_BUFFER * len(greqs))
     with send:  # each choice holds a clone; the stream ends after the last one's end
-        replica, first = _submit(pool, greqs[0], send)
+        replica, first = _submit(pool, greqs[0], send, replica)
         ids = [first.request_id]
         try:
             for greq in greqs[1:]:

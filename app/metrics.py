@@ -14,7 +14,7 @@ Two sources:
   engine's current state (e.g. `kv_pages_in_use` is 0 once every request is gone).
   Requests refused in app/ (tenant quota, stream bound, draining) are counted here and
   added to the engines' own refusals under `requests_rejected_total{reason}`.
-(About 370 lines: every family is declared and filled in one scrape, pool by pool.)
+(About 410 lines: every family is declared and filled in one scrape, pool by pool.)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client import Counter as Counter_
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily, Metric)
 
@@ -66,6 +67,27 @@ class Metrics:
         self.queue = hist("sluice:request_queue_time_seconds",
                           "Time a request waited in the engine's queue, seconds.",
                           _REQUEST_BUCKETS)
+        # Disaggregated prefill (app/disagg.py): pages sent by a prefill pool, received
+        # by a decode pool, and how each decode pool's prompts went.
+        self.transfer_bytes = Counter_("sluice:kv_transfer_bytes",
+                                       "KV page bytes moved between servers (direction: "
+                                       "sent by a prefill pool, received by a decode pool).",
+                                       LABELS + ("direction",), registry=self.registry)
+        self.transfer_s = Histogram("sluice:kv_transfer_seconds",
+                                    "A prompt's pages moving: their copy out and encoding "
+                                    "(sent), or the whole remote prefill less the prefill "
+                                    "server's compute (received), seconds.",
+                                    LABELS + ("direction",),
+                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + _REQUEST_BUCKETS,
+                                    registry=self.registry)
+        self.remote_prefill_s = hist("sluice:remote_prefill_seconds",
+                                     "A decode pool's prompt at a prefill server, ask to pages "
+                                     "in its inbox, seconds.", _TTFT_BUCKETS)
+        self.remote_prefills = Counter_("sluice:remote_prefill_requests",
+                                        "A decode pool's prompts sent to prefill servers, by "
+                                        "outcome (ok, retried, refused, unreachable, failed, "
+                                        "local: computed here after all failed).",
+                                        LABELS + ("outcome",), registry=self.registry)
         self.registry.register(_EngineCollector(self))
         # process_resident_memory_bytes, CPU seconds, open fds: the server's own footprint.
         ProcessCollector(registry=self.registry)
@@ -75,6 +97,17 @@ class Metrics:
         samples together."""
         return (Observer(self.ttft.labels(model, pool), self.live.recent("ttft", pool)),
                 Observer(self.itl.labels(model, pool), self.live.recent("itl", pool)))
+
+    def kv_transfer(self, model: str, pool: str, direction: str, nbytes: int,
+                    seconds: float) -> None:
+        self.transfer_bytes.labels(model, pool, direction).inc(nbytes)
+        self.transfer_s.labels(model, pool, direction).observe(seconds)
+
+    def remote_prefill(self, model: str, pool: str, outcome: str,
+                       seconds: float | None = None) -> None:
+        self.remote_prefills.labels(model, pool, outcome).inc()
+        if seconds is not None:
+            self.remote_prefill_s.labels(model, pool).observe(seconds)
 
     def reject(self, model: str, pool: str, reason: str) -> None:
         self.app_rejections[(model, pool, reason)] += 1
@@ -162,6 +195,9 @@ class _EngineCollector:
         # vLLM's cache geometry, which an endpoint picker's prefix scorer reads (deploy/,
         # docs/operations.md "Running a fleet on Kubernetes"): the value is 1, the labels say
         # the KV page size in tokens and how many pages the pool has (all replicas).
+        # Each pool's role (app/disagg.py): join on it for per-role queue age and use.
+        role_info = gauge("pool_role_info", "1 per pool; the label says its role: prefill, "
+                          "decode or both.", ("role",))
         cache_info = GaugeMetricFamily(
             "sluice:cache_config_info", "KV cache geometry: block_size (tokens per page), "
             "num_gpu_blocks (usable pages, all replicas), enable_prefix_caching.",
@@ -175,7 +211,8 @@ class _EngineCollector:
                               ("tier",))
         tier_hits = counter("prefix_cache_hits_by_tier", "Prompt tokens served from the "
                             "prefix cache, by the tier they were found in (host and disk "
-                            "pages are copied up first).", ("tier",))
+                            "pages are copied up first; remote: computed by a prefill "
+                            "server).", ("tier",))
         tier_copies = counter("kv_tier_copy_bytes", "KV bytes copied between tiers: up "
                               "(host to device), down (device to host), disk_read, "
                               "disk_write (rate(): bytes/s).", ("direction",))
@@ -230,6 +267,7 @@ class _EngineCollector:
             _histogram(host, lv, HOST_BUCKETS, [s.step_host for s in stats])
             compute.add_metric(lv, sum(s.compute_s for s in stats))
             idle.add_metric(lv, sum(s.idle_s for s in stats))
+            role_info.add_metric(lv + [pool.config.role], 1.0)
             cache_info.add_metric(lv + [str(_page_size(pool)), str(s_total),
                                         str(pool.config.scheduler.prefix_cache)], 1.0)
             for s in stats:
@@ -256,6 +294,7 @@ class _EngineCollector:
                     win_in_use, win_total, *tier_families, *spec_families, lora_info,
                     lora_requests, lora_tokens, lora_loads, lora_swaps, lora_loaded)
         yield cache_info
+        yield role_info
 
 
 def _page_size(pool) -> int:
@@ -356,9 +395,10 @@ def _kv_tiers(stats, lv: list[str], families) -> None:
         pages.add_metric(lv + [tier], n)
         nbytes.add_metric(lv + [tier], b)
         capacity.add_metric(lv + [tier], cap)
-    lower = {k: sum(t["hit_tokens"][k] for t in tiers) for k in ("host", "disk")}
+    lower = {k: sum(t["hit_tokens"].get(k, 0) for t in tiers)
+             for k in ("host", "disk", "remote")}
     all_hits = sum(s.prefix_cache_hits_tokens for s in stats if s.kv_tiers)
-    hits.add_metric(lv + ["device"], max(0, all_hits - lower["host"] - lower["disk"]))
+    hits.add_metric(lv + ["device"], max(0, all_hits - sum(lower.values())))
     for tier, n in lower.items():
         hits.add_metric(lv + [tier], n)
     for direction, key in (("up", "copy_up_bytes"), ("down", "copy_down_bytes")):

@@ -56,6 +56,7 @@ class Pool:
         self.admitting = 0  # requests past the precheck, being tokenized (app/completions.py)
         self.adapters = PoolAdapters(self, adapter_reader)  # LoRA adapters (app/adapters.py)
         self._grammars: Grammars | None = None
+        self.remote = None  # a decode pool's prefill servers (app/disagg.RemotePrefill)
 
     @property
     def name(self) -> str:
@@ -135,6 +136,13 @@ class Pool:
         if refusal is not None:
             raise refusal
         raise EngineDead(f"every engine of pool {self.name!r} has stopped")
+
+    def least_busy(self) -> int:
+        """The live replica with the fewest requests in flight, then the most free KV
+        pages (where a decode pool's prefilled prompt goes)."""
+        live = [i for i, e in enumerate(self.engines) if e.alive] or [0]
+        return min(live, key=lambda i: (self._in_flight[i],
+                                        -getattr(self.engines[i], "free_pages", 0)))
 
     def precheck(self, max_tokens: int | None = None) -> None:
         """Raise `Overloaded` (the soonest Retry-After) when every live replica would refuse

@@ -274,7 +274,8 @@ async def admit(state, body: bytes, authorization: str | None
         row = await own(state, r.previous_response_id, tenant, "previous_response_id")
         previous = json.loads(row["conversation"])
         parsed, r = parse(body, previous)
-    adm = await admit_parsed(state, "chat", parsed, tenant, arrival)
+    adm = await admit_parsed(state, "chat", parsed, tenant, arrival,
+                             authorization=authorization)
     return adm, r, Stored(state, tenant, previous)
 
 

@@ -28,6 +28,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from . import disagg
 from .door import DoorFastPath
 from .front_door import serve_http
 from .errors import APIError, error_type_for
@@ -221,6 +222,10 @@ async def run_server(
             with trio.CancelScope() as loading:  # a drain during loading just stops
                 nursery.start_soon(_cancel_on, state.drain_requested, loading)
                 pools = await load_pools()
+                disagg.check_roles(pools)
+                for pool in pools:
+                    if pool.config.role == "decode":
+                        pool.remote = disagg.RemotePrefill(pool, state.metrics)
                 for pool in pools:
                     await nursery.start(pool.run)
                 state.ready(Router(pools))
@@ -238,6 +243,9 @@ async def run_server(
         for pool in state.router.pools if state.router else []:
             pool.close()
         with trio.CancelScope(shield=True):
+            for pool in state.router.pools if state.router else []:
+                if pool.remote is not None:
+                    await pool.remote.aclose()
             await state.guard.aclose()
             if state.batches is not None:
                 await state.batches.aclose()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
@@ -45,6 +45,8 @@ class Flight:
     stop_reason: str | None = None  # set when the server ends the request (drain)
     receive_scope: trio.CancelScope | None = None  # cancelled by `stop` to wake the reader
     log: RequestLog | None = None  # its line in the request log, written at close
+    # Run at close: a decode pool drops prefilled pages its replica never took (disagg).
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def submitted(self, replica: int, handle: Any) -> None:
         self.replica, self.handle = replica, handle
@@ -74,6 +76,8 @@ class Flight:
             for request_id in _request_ids(self.handle):
                 self.pool.finish(self.replica, request_id)
         self.lease.release(self.prompt_tokens + self.generated if self.handle else 0)
+        for fn in self.cleanup:
+            fn()
         self.state.flights.discard(self)
         if self.log is not None:
             self.log.emit(self.prompt_tokens, self.generated)

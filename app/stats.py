@@ -216,6 +216,7 @@ def _speculative(pool: Pool, cur: dict, old: dict, span: float) -> Speculative |
 def _tier_counters(t: dict) -> dict[str, int]:
     disk = t.get("disk") or {}
     return {"hits_host": t["hit_tokens"]["host"], "hits_disk": t["hit_tokens"]["disk"],
+            "hits_remote": t["hit_tokens"].get("remote", 0),
             "up": t["copy_up_bytes"], "down": t["copy_down_bytes"],
             "disk_read": disk.get("read_bytes", 0), "disk_write": disk.get("write_bytes", 0)}
 
@@ -230,8 +231,8 @@ def _kv_tiers(stats: list, cur: dict, old: dict, span: float) -> KvTiers | None:
         return now.get(key, 0) - then.get(key, 0)
 
     queries = cur["prefix_queries"] - old["prefix_queries"]
-    lower = {"host": d("hits_host"), "disk": d("hits_disk")}
-    device = cur["prefix_hits"] - old["prefix_hits"] - lower["host"] - lower["disk"]
+    lower = {"host": d("hits_host"), "disk": d("hits_disk"), "remote": d("hits_remote")}
+    device = cur["prefix_hits"] - old["prefix_hits"] - sum(lower.values())
     rates = ({"device": device / queries, **{k: v / queries for k, v in lower.items()}}
              if queries else {})
     disks = [t["disk"] for t in tiers if t.get("disk")]

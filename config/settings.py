@@ -265,6 +265,18 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_host_bytes: NonNegative = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: NonNegative = 4 * 1024 * 1024 * 1024
+    # Disaggregated prefill and decode (docs/operations.md, "Prefill and decode apart"):
+    # a "prefill" pool computes prompts for decode pools in other servers (POST
+    # /internal/prefill: the prompt's KV pages back, no answer); a "decode" pool sends
+    # every prompt with at least `remote_prefill_min_tokens` tokens it has not cached to
+    # one of `prefill_urls` (least in flight first; another, then its own replica, when
+    # one cannot be reached), takes the pages into its pool and streams the answer.
+    # "both": prefill and decode here, as one replica does.
+    role: Literal["both", "prefill", "decode"] = "both"
+    prefill_urls: list[str] = []
+    remote_prefill_min_tokens: NonNegative = 256
+    # Seconds a prefill server may take to answer before its request is retried elsewhere.
+    remote_prefill_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     # Sliding-window layers (Gemma 3) on KV pages of their own, freed past the window
     # (docs/operations.md, "Sliding windows"): the global layers get the memory they
     # leave. false: every layer on the one pool, as with the KV tiers (which need it).
@@ -286,6 +298,13 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if clash:
             raise ValueError(f"adapter names must be unique and differ from the served model "
                              f"names: {', '.join(clash)}")
+        if self.role == "decode" and not self.prefill_urls:
+            raise ValueError(f"pools[{self.name}].role = \"decode\" needs prefill_urls (the "
+                             "prefill servers' base URLs)")
+        if self.prefill_urls and self.role != "decode":
+            raise ValueError(f"pools[{self.name}].prefill_urls is for role = \"decode\"")
+        if bad := [u for u in self.prefill_urls if not u.startswith(("http://", "https://"))]:
+            raise ValueError(f"pools[{self.name}].prefill_urls: not an http(s) URL: {bad[0]}")
         odd = [b for b in self.prefill_buckets if b % 16]
         if odd:
             raise ValueError(f"prefill_buckets must be multiples of 16 (the attention's "

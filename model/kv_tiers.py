@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .kv_disk import DiskStore
+from .kv_transfer import Inbox
 
 SWAP_BUCKET = 32  # pages per call of the swap programs (fixed shapes: one compile each)
 
@@ -54,13 +55,17 @@ class TierStore:
     store below them (None: host only)."""
 
     def __init__(self, host_slots: int, page_shape: tuple[int, ...], dtype: Any, *,
-                 disk: DiskStore | None = None) -> None:
+                 disk: DiskStore | None = None, inbox: bool = False) -> None:
         self.host_slots = host_slots
         self.page_shape = tuple(page_shape)
         self.dtype = np.dtype(dtype)
         self.page_bytes = int(np.prod(page_shape)) * self.dtype.itemsize
         self.host = np.zeros((host_slots, *page_shape), self.dtype)
         self.disk = disk
+        # A decode replica's pages from prefill replicas (model/kv_transfer.py), read
+        # before the disk tier; `source` is what the tiers read below the host slots.
+        self.inbox = Inbox(disk) if inbox else None
+        self.source = self.inbox if inbox else disk
         # Copies down not settled yet: (mark, slots, k, v, (key, meta) per slot), launch order.
         self._pending: deque[tuple[int, list[int], Any, Any, list]] = deque()
         self._mark = 0
@@ -141,18 +146,24 @@ class TierStore:
 
     # -- reads from disk (a worker thread) ---------------------------------------------------
     def load(self, job) -> None:
-        """Read a `scheduler.kv_tiers.LoadJob`'s pages from disk into their slots; sets
-        `job.ok` (a page the disk store rejects is False, and logged there)."""
-        ok = []
+        """Read a `scheduler.kv_tiers.LoadJob`'s pages from the inbox (pages a prefill
+        replica sent) or disk into their slots; sets `job.ok` (a page the disk store
+        rejects is False, and logged there) and `job.remote` (it came from the inbox)."""
+        ok, remote = [], []
         for slot, key, meta in zip(job.slots, job.keys, job.metas):
-            page = self.disk.get(key, meta) if self.disk is not None else None
+            page = self.inbox.take(key, meta) if self.inbox is not None else None
+            remote.append(page is not None)
+            if page is None and self.disk is not None:
+                page = self.disk.get(key, meta)
             if page is not None:
                 self.host[slot] = page
             ok.append(page is not None)
-        job.ok = ok
+        job.ok, job.remote = ok, remote
 
     def close(self) -> None:
         self.settle()
+        if self.inbox is not None:
+            self.inbox.close()
         if self.disk is not None:
             self.disk.close()
 

@@ -30,7 +30,7 @@ arguments are host data: a multi-host replica's process 0 sends each one to the 
 processes first (`mirror`, model/multihost.py), so they run the same programs in the
 same order.
 
-(About 560 lines: the device state's construction, its formats, shapes and placement settled
+(About 600 lines: the device state's construction, its formats, shapes and placement settled
 in one place, and every device call beside the lock that guards it.)
 """
 
@@ -61,6 +61,7 @@ from .formats import kv_format, weight_format, weight_layout
 from .inflight import Launched, ReadyTimes
 from .kv_disk import DiskStore
 from .kv_tiers import SWAP_BUCKET, TierStore, model_fingerprint
+from .kv_transfer import ExportedPages
 from .llama import StepBatch, prepare_params, rope_inv_freq
 from .multihost import mirrored
 from .packing import Bucket
@@ -111,6 +112,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         kv_disk_dir: str | None = None,
         kv_disk_bytes: int = 0,
         window_pool: bool | int = True,
+        kv_inbox: bool = False,
     ) -> None:
         # Where it runs: None, JAX's default device; else these, tensor parallel over them.
         tp_n = len(devices) if devices else 1
@@ -145,8 +147,13 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         # context is longer than the window
         window = (cfg.sliding_window if any(cfg.windowed)
                   and self.max_context > cfg.sliding_window else 0)
+        if kv_inbox and not kv_host_bytes:
+            # A decode replica takes prefilled pages through host slots: room for two
+            # of the longest prompts at once (np.zeros: committed only as written).
+            kv_host_bytes = (2 * -(-self.max_context // page_size) * page_size
+                             * self.kv_bytes_per_token)
         self.num_pages, self.window_pool = self._size_pool(
-            int(num_pages), window, False if kv_host_bytes else window_pool)
+            int(num_pages), window, False if kv_host_bytes or kv_inbox else window_pool)
         layer_bytes = page_size * self.kv_bytes_per_token // cfg.num_layers
         self.pool = PoolLayout(layers=cfg.num_layers, pages=self.num_pages,
                                page_size=page_size, kv_heads=cfg.num_kv_heads,
@@ -156,8 +163,13 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                                sliding=tuple(cfg.windowed), window_pool=self.window_pool)
         self.kv_bytes = self.pool.rows * layer_bytes
         # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
+        # Names the weights and page layout: disk tier files, transfers between replicas.
+        try:
+            self.kv_fingerprint: str | None = self._fingerprint(params, quantization)
+        except Exception:  # noqa: BLE001 - weights not all on this host (multi-host)
+            self.kv_fingerprint = None
         self.kv_store = self._tier_store(params, quantization, kv_host_bytes, kv_disk_dir,
-                                         kv_disk_bytes) if kv_host_bytes else None
+                                         kv_disk_bytes, kv_inbox) if kv_host_bytes else None
         self._swaps: tuple[Callable, Callable] | None = None
         # What one device computes (the whole model without tensor parallelism).
         self.local_config = self.tp.local_config(cfg) if self.tp else cfg
@@ -267,7 +279,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                    kv_disk_dir=pool.kv_disk_dir and os.path.join(
                        os.path.expanduser(pool.kv_disk_dir),
                        *([f"replica-{replica}"] if replica is not None else [])),
-                   kv_disk_bytes=pool.kv_disk_bytes, window_pool=pool.window_pages)
+                   kv_disk_bytes=pool.kv_disk_bytes,
+                   window_pool=pool.window_pages and pool.role == "both",
+                   kv_inbox=pool.role == "decode")
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
@@ -337,11 +351,28 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             **self.attention.describe(),
         }
 
-    def _tier_store(self, params: dict, quantization: str, host_bytes: int,
-                    disk_dir: str | None, disk_bytes: int) -> TierStore:
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page of every layer as the KV tiers and transfers hold it: (K/V, layer,
+        position, kv head, row)."""
         cfg = self.config
-        page_shape = (2, cfg.num_layers, self.page_size, cfg.num_kv_heads,
-                      row_elements(cfg.head_dim, self.kv_storage))
+        return (2, cfg.num_layers, self.page_size, cfg.num_kv_heads,
+                row_elements(cfg.head_dim, self.kv_storage))
+
+    def _fingerprint(self, params: dict, quantization: str) -> str:
+        """"These weights, this KV layout" (model/kv_tiers.model_fingerprint), from a few
+        weights' first values, sliced where they live (an 8B model's embedding is not
+        copied to the host for 64 numbers)."""
+        leaves = [np.asarray(a.reshape(-1)[:64]) for _, a in
+                  sorted(jax.tree_util.tree_leaves_with_path(params),
+                         key=lambda kv: jax.tree_util.keystr(kv[0]))[:4]]
+        return model_fingerprint(self.base_config, weights=quantization,
+                                 kv_dtype=self.kv_storage, page_shape=self.page_shape,
+                                 sample=leaves)
+
+    def _tier_store(self, params: dict, quantization: str, host_bytes: int,
+                    disk_dir: str | None, disk_bytes: int, inbox: bool) -> TierStore:
+        page_shape = self.page_shape
         page_bytes = int(np.prod(page_shape)) * np.dtype(self.kv_storage).itemsize
         slots = host_bytes // page_bytes
         if slots < SWAP_BUCKET:
@@ -349,17 +380,21 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                              f"{page_bytes} bytes; at least {SWAP_BUCKET} are needed")
         disk = None
         if disk_dir:
-            # A few weights' first values, sliced where they live (an 8B model's
-            # embedding is not copied to the host for 64 numbers).
-            leaves = [np.asarray(a.reshape(-1)[:64]) for _, a in
-                      sorted(jax.tree_util.tree_leaves_with_path(params),
-                             key=lambda kv: jax.tree_util.keystr(kv[0]))[:4]]
-            fp = model_fingerprint(self.base_config, weights=quantization,
-                                   kv_dtype=self.kv_storage, page_shape=page_shape,
-                                   sample=leaves)
-            disk = DiskStore(disk_dir, capacity_bytes=disk_bytes, fingerprint=fp,
+            disk = DiskStore(disk_dir, capacity_bytes=disk_bytes,
+                             fingerprint=self.kv_fingerprint,
                              page_shape=page_shape, page_dtype=self.kv_storage)
-        return TierStore(slots, page_shape, self.kv_storage, disk=disk)
+        return TierStore(slots, page_shape, self.kv_storage, disk=disk, inbox=inbox)
+
+    def export_pages(self, pages: list[int]) -> ExportedPages:
+        """Copy pool pages out for another replica (disaggregated prefill: scheduler/
+        protocol.py `Runner`): the swap programs' gathers, queued now."""
+        parts = []
+        with self._lock:
+            for i in range(0, len(pages), SWAP_BUCKET):
+                part = pages[i:i + SWAP_BUCKET]
+                k, v = self._dev_swap_out(self._page_rows(part))
+                parts.append((k, v, len(part)))
+        return ExportedPages(parts, self.page_shape, self.kv_storage)
 
     # ------------------------------------------------------------------------ warming up
 

@@ -38,6 +38,10 @@ class GenerateRequest:
     # alternatives, delivered with the first token event. None: off. The prompt is then
     # computed whole (prefix-cache hits would leave positions unscored).
     prompt_logprobs: int | None = None
+    # Disaggregated prefill (app/disagg.py): when it ends, the prompt's full KV pages from
+    # this page index on leave with its FinishEvent (`kv`), for a decode replica's pool.
+    # None: nothing exported.
+    export_pages_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,9 @@ class FinishEvent:
     e2e_s: float
     index: int = 0
     predicted_ttft_s: float | None = None  # the door's prediction, when it made one
+    # The prompt's pages asked for by `GenerateRequest.export_pages_from` (the runner's
+    # `export_pages`), or None.
+    kv: Any = None
 
 
 @dataclass(frozen=True, slots=True)

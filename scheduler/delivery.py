@@ -20,11 +20,14 @@ the engine's scheduler, admission, runner, clock and its books of live sequences
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import trio
 
 from .api import ErrorEvent
 from .request import Phase, Sequence
+
+log = logging.getLogger("sluice.engine")
 
 
 class Delivery:
@@ -78,6 +81,9 @@ class Delivery:
         pool now, final event queued and delivery tried. A second call is a no-op."""
         if seq.phase is Phase.DONE:
             return
+        kv = None  # a disaggregated prefill's pages, copied before they are freed
+        if error is None and reason in ("stop", "length") and seq.export_pages_from is not None:
+            kv = self._export_pages(seq)
         if (unused := self.scheduler.finish(seq)) is not None:
             self.runner.drop_adapter(unused)  # unloaded, and its last sequence is gone
         now = self.clock()
@@ -94,6 +100,8 @@ class Delivery:
             if reason in ("stop", "length"):
                 self.admission.completed(now, seq.num_generated)
             out.final = seq.finish_event()
+            if kv is not None:
+                out.final = dataclasses.replace(out.final, kv=kv)
         else:
             out.final = error if not seq.index else dataclasses.replace(error, index=seq.index)
         if seq.aborted:
@@ -103,6 +111,18 @@ class Delivery:
                 self._close_stream(seq)
         else:
             self._deliver(seq)
+
+    def _export_pages(self, seq: Sequence) -> object:
+        """The prompt's full pages from `export_pages_from` on, queued for copying out
+        (`Runner.export_pages`); the copy is read by whoever gets the FinishEvent. The
+        pages' contents are final: later steps write positions past the prompt."""
+        full = seq.num_prompt_tokens // self.runner.page_size
+        try:
+            return self.runner.export_pages(seq.kv_pages[seq.export_pages_from:full])
+        except Exception:  # noqa: BLE001 - the caller sees no pages and says so
+            log.exception("engine %s: exporting %s's KV pages failed", self.name,
+                          seq.request_id)
+            return None
 
     def _abort_request(self, seq: Sequence) -> None:
         """Mark it aborted and end it: at once, or, while the runner may still be reading

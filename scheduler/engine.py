@@ -52,8 +52,9 @@ The admission prediction is not here: the door is scheduler/admission.py, the st
 model it and the policy predict from is scheduler/step_cost.py; the engine only tells the
 door when the steps in flight should end (`step_ends_at`) and feeds the model measured
 step times. The step log is scheduler/step_log.py.
-(About 500 lines: the loop and a step's whole way through it, launch, collect, commit
-and the step record, are read in one place.)
+(About 560 lines: the loop and a step's whole way through it, launch, collect, commit
+and the step record, are read in one place, beside the replica's face to the app:
+submit, abort, and the pages a prefill server computed for it.)
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class Engine(Delivery):
         store = getattr(runner, "kv_store", None)
         if store is not None:
             self.scheduler.pages.tiers = KVTiers(store.host_slots, store.page_bytes,
-                                                 disk=store.disk, page_size=runner.page_size)
+                                                 disk=getattr(store, "source", store.disk),
+                                                 page_size=runner.page_size)
         self._log = StepLog(step_records)
         self.step_records: deque[StepRecord] = self._log.records  # the last few steps
         self._seqs: dict[str, Sequence] = {}  # request_id -> live sequence
@@ -151,6 +153,9 @@ class Engine(Delivery):
         self._failed_index = 0  # the last failed step's launch index
         # Steps launched and not yet committed, oldest first (at most two, for a moment).
         self._flight: list[_Launched] = []
+        # Prompts a prefill replica is computing for this one (`reserve_room`).
+        self._reserved = 0  # pages promised to them
+        self._in_transit = 0
 
     # -- the public face ---------------------------------------------------------------
     @property
@@ -243,6 +248,60 @@ class Engine(Delivery):
             return 0
         entries = [e for e in self.scheduler.pages.cached_entries() if e[1] not in store.disk]
         return self.runner.save_pages(entries)
+
+    # -- disaggregated prefill (app/disagg.py) ------------------------------------------
+    def _probe(self, req: GenerateRequest) -> Sequence:
+        now = self.clock()
+        return Sequence(req, request_id="", seq_id=-1, arrived_at=now, deadline_at=now)
+
+    @property
+    def free_pages(self) -> int:
+        """KV pages free or only cached, less those promised to prompts being prefilled
+        for this replica elsewhere (`reserve_room`)."""
+        return self.scheduler.pages.num_available - self._reserved
+
+    def held_prompt_pages(self, req: GenerateRequest) -> int:
+        """Leading full pages of the prompt this replica has already (its pool or a tier
+        below it): a prefill replica need not send them."""
+        return self.scheduler.pages.expected_hits(self._probe(req)) // self.runner.page_size
+
+    def reserve_room(self, req: GenerateRequest) -> int:
+        """Before a prefill replica computes the prompt for this one: `Overloaded` unless
+        the queue would take it and free pages hold its prompt now, beside the prompts
+        already being prefilled for it (never prefill and drop); ValueError for one it can
+        never serve. Returns the pages reserved: `release_room` once it is submitted."""
+        if not self._alive:
+            raise EngineDead(f"engine {self.name!r} is dead")
+        self.admission.validate(req)
+        self.precheck(self._in_transit, req.max_tokens)
+        pages = self.scheduler.pages
+        need = pages.pages_for(len(req.prompt_ids) + 1)
+        if need > self.free_pages:
+            raise self.admission.refuse("kv_full", self.admission.ticket(
+                self.admission.retry_after()), "no free KV pages for the prompt")
+        self._reserved += need
+        self._in_transit += 1
+        return need
+
+    def release_room(self, pages: int) -> None:
+        self._reserved -= pages
+        self._in_transit -= 1
+
+    def receive_pages(self, req: GenerateRequest, first: int, data: Any) -> list[int]:
+        """Pages a prefill replica computed for `req`'s prompt (page `first` on, `data`
+        [n, *page_shape]) into this replica's inbox, where its admission finds them as a
+        tier hit; returns their keys (`discard_pages` once the request is in or gone)."""
+        inbox = self.runner.kv_store.inbox
+        seq = self._probe(req)
+        entries = [(key, meta, data[j]) for j, (key, meta) in
+                   zip(range(len(data)), self.scheduler.pages.metas_from(seq, first))]
+        inbox.deposit(entries)
+        self._wakeup.set()
+        return [key for key, _, _ in entries]
+
+    def discard_pages(self, keys: list[int]) -> None:
+        if keys:
+            self.runner.kv_store.inbox.discard(keys)
 
     def start_draining(self) -> None:
         """Refuse new work (Overloaded "draining"); what is queued or running finishes."""

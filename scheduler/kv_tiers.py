@@ -53,6 +53,7 @@ class LoadJob:
     keys: list[int]
     metas: list[Meta]
     ok: list[bool] = field(default_factory=list)  # filled by the reader, one per page
+    remote: list[bool] = field(default_factory=list)  # ... sent by a prefill replica
 
 
 class KVTiers:
@@ -75,6 +76,7 @@ class KVTiers:
         self._loading: dict[int, int] = {}  # key -> slot being read from disk
         self._jobs: list[LoadJob] = []  # loads asked for, not yet started
         self._from_disk: set[int] = set()  # slots read from disk, not hit since
+        self._remote: set[int] = set()  # ... of them, pages a prefill replica sent
         # Slots a copy up of the plan being built reads: never reused in the same plan
         # (its copies down would land there first; `PageAllocator.take_swaps` unpins).
         self.pinned: set[int] = set()
@@ -82,7 +84,7 @@ class KVTiers:
         # committed): a disk read never takes one, its thread would race the runner.
         self._unsettled: dict[int, int] = {}
         # Counters (tokens and bytes), for /metrics.
-        self.hit_tokens = {"host": 0, "disk": 0}
+        self.hit_tokens = {"host": 0, "disk": 0, "remote": 0}
         self.copy_up_bytes = 0  # host -> device
         self.copy_down_bytes = 0  # device -> host
         self.disk_read_bytes = 0
@@ -160,10 +162,13 @@ class KVTiers:
                 or (self.disk is not None and key in self.disk))
 
     def count_hits(self, slots: list[int]) -> None:
-        """Hits on these host slots, in tokens, by the tier they came from."""
+        """Hits on these host slots, in tokens, by the tier they came from (remote: sent
+        by a prefill replica)."""
         for slot in slots:
-            tier = "disk" if slot in self._from_disk else "host"
+            tier = ("remote" if slot in self._remote else "disk" if slot in self._from_disk
+                    else "host")
             self._from_disk.discard(slot)
+            self._remote.discard(slot)
             self.hit_tokens[tier] += self.page_size
 
     def on_disk(self, metas: Iterator[tuple[int, Meta]]) -> tuple[list[tuple[int, Meta]], bool]:
@@ -234,6 +239,8 @@ class KVTiers:
                 self._slot_of_key[key] = slot
                 self._lru[slot] = None
                 self._from_disk.add(slot)
+                if i < len(job.remote) and job.remote[i]:
+                    self._remote.add(slot)
                 good += 1
             else:
                 self._key_of[slot] = self._meta[slot] = None
@@ -262,6 +269,7 @@ class KVTiers:
 
     def _unset(self, slot: int) -> None:
         self._from_disk.discard(slot)
+        self._remote.discard(slot)
         key = self._key_of[slot]
         if key is not None and self._slot_of_key.get(key) == slot:
             del self._slot_of_key[key]

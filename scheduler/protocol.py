@@ -233,6 +233,12 @@ class Runner(Protocol):
         """Forget an adapter no live sequence uses any more (it was unloaded)."""
         ...
 
+    # A runner that serves disaggregated prefill (app/disagg.py) also has
+    # `export_pages(pages) -> Any`: those pool pages' contents, queued behind the steps
+    # launched so far (so it reads what they wrote) and ahead of any that may overwrite
+    # them; the result's `to_host()` waits for the copy and returns them
+    # ([n, K/V, layer, position, kv head, row]). Called on the engine's thread.
+
 
 class IncrementalDecoder(Protocol):
     def push(self, token_id: int) -> str:

@@ -45,6 +45,7 @@ class Sequence:
         "prompt_ids", "token_ids", "output_ids", "max_tokens",
         "sampling", "tenant", "priority", "weight", "batch", "max_running", "cache_salt",
         "adapter", "adapter_slot", "constraint", "index", "prompt_logprobs", "prompt_scores",
+        "export_pages_from",
         "kv_pages", "page_keys", "window_pages", "window_first", "num_computed_tokens", "num_cached_tokens", "uncached_tokens",
         "num_charged_tokens",
         "arrived_at", "arrival_order", "queued_at", "deadline_at", "admitted_at", "first_token_at",
@@ -82,6 +83,7 @@ class Sequence:
         self.constraint = req.constraint  # structured output's grammar state, or None
         self.index = req.index  # which of its request's choices
         self.prompt_logprobs = req.prompt_logprobs  # top alternatives per prompt token, or None
+        self.export_pages_from = req.export_pages_from  # disaggregated prefill, or None
         self.prompt_scores: list[Any] = []  # [j]: prompt token j + 1's logprob (SampledToken)
         self.kv_pages: list[int] = []  # page table: page id per page_size positions
         self.page_keys: list[int] = []  # prefix-cache keys of full pages (may run ahead)

@@ -134,7 +134,7 @@ async def test_disk_tier_survives_a_restart(tmp_path, cold, caplog):
     # A different model (other weights) finds nothing of these.
     other = make_runner(tmp_path, host_bytes=40 * 4096, seed=1)
     _, engine = await serve(other, [(0, 0, "")])
-    assert engine.scheduler.pages.tiers.hit_tokens == {"host": 0, "disk": 0}
+    assert engine.scheduler.pages.tiers.hit_tokens == {"host": 0, "disk": 0, "remote": 0}
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
@@ -160,7 +160,7 @@ async def test_one_tenants_prefix_is_never_anothers_hit(tmp_path):
     reqs = [(0, 0, "a")] + [(t, 0, "a") for t in range(1, 6)] + [(0, 0, "b")]
     _, engine = await serve(runner, reqs)
     pages = engine.scheduler.pages
-    assert pages.tiers.hit_tokens == {"host": 0, "disk": 0}
+    assert pages.tiers.hit_tokens == {"host": 0, "disk": 0, "remote": 0}
     # The last request computed its whole prompt: no device hit either.
     assert pages.hit_tokens == 0
     check_books(engine)

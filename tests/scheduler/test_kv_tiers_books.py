@@ -56,7 +56,7 @@ def test_disk_reads_asked_for_and_done():
     t.loaded(job, seconds=0.001)
     assert t.match(iter([(key(1), meta(1)), (key(2), meta(2))])) == [job.slots[0]]
     t.count_hits([job.slots[0]])
-    assert t.hit_tokens == {"host": 0, "disk": 16}
+    assert t.hit_tokens == {"host": 0, "disk": 16, "remote": 0}
     assert t.disk_failed_pages == 1 and t.num_loading == 0
     assert t.audit() == []
 

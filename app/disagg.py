@@ -1,0 +1,322 @@
+"""Prefill and decode apart: a decode pool's prompts computed by prefill servers.
+
+A pool with `role = "decode"` (config/settings.py) sends each prompt it would have to
+compute (at least `remote_prefill_min_tokens` tokens not cached in the replica) to a
+prefill server, a Sluice process whose pool has `role = "prefill"`:
+
+    decode server (the client's stream)             prefill server
+    admit: door, KV room ----- POST /internal/prefill ---->  its door, one-token request
+                                                         prompt computed, pages gathered
+    inbox of the replica <---- the prompt's full pages ----  (msgpack, checked by CRC-32,
+    submit: a tier hit, only the last partial page          model fingerprint, layout)
+    is computed here; the answer streams from here
+
+- What is sent: the prompt's full pages past those the decode replica already holds
+  (its pool or KV tiers: a cached system prompt is never sent again). The last partial
+  page and the first token are computed on the decode side (a few tokens, beside its
+  decodes), so the tokens are exactly those one replica would give (the pages are
+  bit-identical: the same program computed them).
+- Transport: HTTP (httpx to hypercorn), one message per prompt (`Wire`: msgpack, the
+  model's fingerprint, the page layout, a CRC-32 of the pages' bytes); across hosts the
+  same, behind whatever network the fleet has.
+- The decode side checks its room first (queue, TTFT of what is ahead, free pages for
+  the prompt: `Engine.check_room`), so a prompt is never computed and then dropped for
+  want of pages. The prefill server's own door may refuse (429): the client gets it.
+- Faults: a prefill server that cannot be reached, fails or times out is skipped for
+  `_DOWN_S` and the prompt goes to the next one; when none is left, the decode replica
+  computes it itself (counted). The client's disconnect cancels the HTTP call, which
+  the prefill server sees as a disconnect and aborts (its pages freed). Pages received
+  and never admitted (the request cancelled, refused) are dropped at the flight's end.
+- Which prefill server: the one with the fewest prompts ahead of a new one (sent from
+  here and unanswered, plus what it last reported waiting), then the youngest queue and
+  the most free KV pages (its answers' headers); one that failed lately last. The decode
+  replica: the least busy, then the one with the most free pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import trio
+
+from scheduler.api import (EngineDead, ErrorEvent, FinishEvent, GenerateRequest, Overloaded,
+                           SamplingParams)
+
+from .errors import bad_request, not_found, rate_limited, unavailable
+
+log = logging.getLogger("sluice.disagg")
+
+PATH = "/internal/prefill"
+CONTENT_TYPE = "application/vnd.sluice.kv+msgpack"
+_DOWN_S = 5.0  # a prefill server that failed is tried last for this long
+# The prefill server's answer: its compute and copy-out seconds, and its load.
+PREFILL_S, COPY_S = "x-sluice-prefill-seconds", "x-sluice-copy-seconds"
+WAITING, OLDEST, FREE_PAGES = "x-sluice-waiting", "x-sluice-oldest-waiting-s", "x-sluice-kv-free-pages"
+
+
+class PrefillAsk(msgspec.Struct, frozen=True):
+    """A decode server's request: compute this prompt, send its full pages from
+    `first_page` on."""
+
+    model: str
+    prompt_ids: list[int]
+    first_page: int = 0
+    priority: int = 0
+
+
+_ask_encoder = msgspec.msgpack.Encoder()
+_ask_decoder = msgspec.msgpack.Decoder(PrefillAsk)
+WIRE_VERSION = 1
+
+
+class Wire(msgspec.Struct, frozen=True):
+    """One prefill's answer between processes."""
+
+    version: int
+    fingerprint: str  # the model and page layout (model/kv_tiers.model_fingerprint)
+    first_page: int  # index of the first page sent in the prompt's pages
+    shape: tuple[int, ...]  # [n, K/V, layer, position, kv head, row]
+    dtype: str  # numpy dtype name
+    crc32: int
+    data: bytes
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Wire)
+
+
+def encode(pages: np.ndarray, *, fingerprint: str, first_page: int) -> bytes:
+    data = np.ascontiguousarray(pages).tobytes()
+    return _encoder.encode(Wire(WIRE_VERSION, fingerprint, first_page, tuple(pages.shape),
+                                pages.dtype.name if pages.dtype.names is None else pages.dtype.str,
+                                zlib.crc32(data), data))
+
+
+class WireError(ValueError):
+    """A message that is not what this replica can take (say why)."""
+
+
+def decode(message: bytes, *, fingerprint: str, page_shape: tuple[int, ...],
+           dtype: Any) -> tuple[int, np.ndarray]:
+    """(first page index, pages [n, *page_shape]) of a message, checked
+    against this replica's model and page layout, or `WireError`."""
+    try:
+        w = _decoder.decode(message)
+    except msgspec.DecodeError as e:
+        raise WireError(f"not a KV transfer message: {e}") from None
+    if w.version != WIRE_VERSION:
+        raise WireError(f"KV transfer version {w.version}, this server reads {WIRE_VERSION}")
+    if w.fingerprint != fingerprint:
+        raise WireError(f"the prefill server runs another model or KV layout "
+                        f"({w.fingerprint} != {fingerprint})")
+    dt = np.dtype(dtype)
+    if tuple(w.shape[1:]) != tuple(page_shape) or w.dtype not in (dt.name, dt.str):
+        raise WireError(f"pages of {w.shape[1:]} {w.dtype}, this pool's are "
+                        f"{tuple(page_shape)} {dt.name}")
+    if zlib.crc32(w.data) != w.crc32:
+        raise WireError("KV transfer payload failed its checksum")
+    n = w.shape[0] if w.shape else 0
+    if len(w.data) != n * int(np.prod(page_shape)) * dt.itemsize or w.first_page < 0:
+        raise WireError("KV transfer payload has the wrong length")
+    pages = np.frombuffer(w.data, dt).reshape(n, *page_shape)
+    return w.first_page, pages
+
+
+class RemotePrefill:
+    """A decode pool's prefill servers and the calls to them."""
+
+    def __init__(self, pool, metrics) -> None:
+        cfg = pool.config
+        self.pool = pool
+        self.metrics = metrics
+        self.urls = [u.rstrip("/") for u in cfg.prefill_urls]
+        self.min_tokens = cfg.remote_prefill_min_tokens
+        self.in_flight = [0] * len(self.urls)
+        self.down_until = [0.0] * len(self.urls)
+        # What each last said of its load: (waiting, oldest waiting age s, free pages).
+        self.load = [(0, 0.0, 0)] * len(self.urls)
+        # Server to server: no proxy from the environment in between.
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(
+            cfg.remote_prefill_timeout_s, connect=5.0), trust_env=False)
+
+    def first_page(self, engine, greq: GenerateRequest) -> int | None:
+        """The first page to ask a prefill server for, or None: computed here (short, or
+        cached here, an adapter's, or a prompt scored whole)."""
+        if (greq.adapter is not None or greq.prompt_logprobs is not None
+                or not self.urls):
+            return None
+        held = engine.held_prompt_pages(greq)
+        ps = engine.runner.page_size
+        if len(greq.prompt_ids) - held * ps < max(self.min_tokens, 2 * ps):
+            return None
+        return held
+
+    def _order(self) -> list[int]:
+        """Prefill servers, best first: up before down, then by what is ahead of a new
+        prompt there (sent from here and not answered, and what it last said was
+        waiting), its oldest waiting request's age, and its free KV pages."""
+        now = time.monotonic()
+        return sorted(range(len(self.urls)), key=lambda i: (
+            self.down_until[i] > now, self.in_flight[i] + self.load[i][0],
+            self.load[i][1], -self.load[i][2]))
+
+    def _note_load(self, i: int, headers) -> None:
+        try:
+            self.load[i] = (int(headers[WAITING]), float(headers[OLDEST]),
+                            int(headers[FREE_PAGES]))
+        except (KeyError, ValueError):
+            pass
+
+    async def prefill(self, engine, greq: GenerateRequest, first: int,
+                      authorization: str | None) -> list[int]:
+        """Have a prefill server compute `greq`'s prompt and put its pages in `engine`'s
+        inbox; returns their keys. [] when no prefill server could (computed here then).
+        Raises an APIError for a refusal the client should see (429: the prefill tier
+        is full)."""
+        ask = _ask_encoder.encode(PrefillAsk(self.pool.model_name, list(greq.prompt_ids),
+                                             first, greq.priority))
+        headers = {"Content-Type": "application/msgpack"}
+        if authorization:
+            headers["Authorization"] = authorization
+        runner = engine.runner
+        name, model = self.pool.name, self.pool.model_name
+        for attempt, i in enumerate(self._order()[:2]):
+            self.in_flight[i] += 1
+            t0 = time.monotonic()
+            try:
+                r = await self._http.post(self.urls[i] + PATH, content=ask, headers=headers)
+            except httpx.HTTPError as e:
+                self._down(i, f"{type(e).__name__}: {e}")
+                self.metrics.remote_prefill(model, name, "unreachable")
+                continue
+            finally:
+                self.in_flight[i] -= 1
+            self._note_load(i, r.headers)
+            if r.status_code == 429:
+                self.metrics.remote_prefill(model, name, "refused")
+                retry = float(r.headers.get("Retry-After", "1") or 1)
+                raise rate_limited("The prefill servers are overloaded; retry later.",
+                                   retry, code="prefill_busy")
+            if r.status_code != 200:
+                self._down(i, f"HTTP {r.status_code}: {r.text[:200]}")
+                self.metrics.remote_prefill(model, name, "failed")
+                continue
+            try:
+                got, pages = await trio.to_thread.run_sync(lambda: decode(
+                    r.content, fingerprint=runner.kv_fingerprint,
+                    page_shape=runner.page_shape, dtype=runner.kv_storage))
+                if got != first:
+                    raise WireError(f"pages from page {got} sent, {first} asked for")
+            except WireError as e:
+                self._down(i, str(e))
+                self.metrics.remote_prefill(model, name, "failed")
+                continue
+            keys = engine.receive_pages(greq, first, pages)
+            total = time.monotonic() - t0
+            try:  # the transfer: all but the prefill's own compute
+                moved = total - float(r.headers[PREFILL_S])
+            except (KeyError, ValueError):
+                moved = total
+            self.metrics.kv_transfer(model, name, "received", len(r.content), moved)
+            self.metrics.remote_prefill(model, name, "ok" if attempt == 0 else "retried",
+                                        total)
+            return keys
+        self.metrics.remote_prefill(model, name, "local")
+        return []
+
+    def _down(self, i: int, why: str) -> None:
+        log.warning("prefill server %s failed (%s): tried last for %.0f s", self.urls[i], why,
+                    _DOWN_S)
+        self.down_until[i] = time.monotonic() + _DOWN_S
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+# -- the prefill server's side ----------------------------------------------------------------
+async def serve_prefill(state, body: bytes, authorization: str | None
+                        ) -> tuple[bytes, dict[str, str]]:
+    """POST /internal/prefill on a server with a `role = "prefill"` pool: compute the
+    prompt (a one-token request through its door and queue) and answer its pages, with
+    headers saying how long the prefill and the copy out took and how loaded the pool
+    is (`load_headers`; a 429 carries those too)."""
+    tenant = state.tenants.authenticate(authorization)
+    try:
+        ask = _ask_decoder.decode(body)
+    except msgspec.DecodeError as e:
+        raise bad_request(f"not a prefill request: {e}") from None
+    assert state.router is not None
+    pools = [p for p in state.router.candidates(ask.model) if p.config.role == "prefill"]
+    if not pools:
+        raise not_found(f"no prefill pool serves {ask.model!r} here", param="model",
+                        code="model_not_found")
+    pool = pools[0]
+    n = len(ask.prompt_ids)
+    if not n or n + 1 > pool.max_context or ask.first_page < 0:
+        raise bad_request(f"a prompt of {n} tokens cannot be prefilled here (context "
+                          f"{pool.max_context})", param="prompt_ids")
+    if any(not 0 <= t < pool.vocab_size for t in ask.prompt_ids):
+        raise bad_request("prompt_ids must be token ids of the model", param="prompt_ids")
+    greq = GenerateRequest(prompt_ids=ask.prompt_ids, max_tokens=1,
+                           sampling=SamplingParams(temperature=0.0), ignore_eos=True,
+                           tenant=tenant.name, priority=tenant.priority_for(ask.priority),
+                           cache_salt=tenant.cache_salt, export_pages_from=ask.first_page)
+    t0 = time.monotonic()
+    try:
+        replica, handle = pool.submit(greq)
+    except Overloaded as e:
+        err = rate_limited(f"The prefill server is overloaded ({e.reason}).",
+                           e.retry_after_s, code=e.reason)
+        err.headers.update(load_headers(pool))
+        raise err from None
+    except EngineDead as e:
+        raise unavailable(f"The engine has stopped: {e}", "engine_dead") from None
+    except ValueError as e:
+        raise bad_request(f"{e}.", param="prompt_ids") from None
+    try:
+        final = None
+        async for event in handle.events:
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                final = event
+    finally:  # a disconnect (cancelled here) aborts it: its pages go back at once
+        pool.finish(replica, handle.request_id)
+    if isinstance(final, ErrorEvent) or final is None:
+        raise unavailable(f"prefill failed: {getattr(final, 'message', 'no result')}",
+                          "prefill_failed")
+    if final.kv is None:
+        raise unavailable("prefill failed: its pages could not be copied out", "prefill_failed")
+    t1 = time.monotonic()
+    runner = pool.engines[replica].runner
+    out = await trio.to_thread.run_sync(lambda: encode(
+        final.kv.to_host(), fingerprint=runner.kv_fingerprint, first_page=ask.first_page))
+    copy_s = time.monotonic() - t1
+    state.metrics.kv_transfer(pool.model_name, pool.name, "sent", len(out), copy_s)
+    return out, {PREFILL_S: f"{t1 - t0:.6f}", COPY_S: f"{copy_s:.6f}", **load_headers(pool)}
+
+
+def load_headers(pool) -> dict[str, str]:
+    """How loaded a prefill pool is, for the decode servers' choice: requests waiting,
+    the oldest one's age, free KV pages (all replicas)."""
+    stats = pool.stats()
+    return {WAITING: str(sum(s.waiting for s in stats)),
+            OLDEST: f"{max((s.oldest_waiting_age_s for s in stats), default=0.0):.3f}",
+            FREE_PAGES: str(sum(s.kv_pages_total - s.kv_pages_in_use for s in stats))}
+
+
+def check_roles(pools) -> None:
+    """A prefill or decode pool needs what transfers need (else a ValueError naming it)."""
+    for pool in pools:
+        if pool.config.role == "both":
+            continue
+        for engine in pool.engines:
+            runner = engine.runner
+            if getattr(runner, "kv_fingerprint", None) is None or not hasattr(
+                    runner, "export_pages"):
+                raise ValueError(f"pools[{pool.name}].role = {pool.config.role!r}: this "
+                                 "runner cannot move KV pages (multi-host replica?)")
