@@ -131,11 +131,14 @@ def decode(message: bytes, *, fingerprint: str, page_shape: tuple[int, ...],
 class RemotePrefill:
     """A decode pool's prefill servers and the calls to them."""
 
-    def __init__(self, pool, metrics) -> None:
+    def __init__(self, pool, metrics, pools: dict | None = None) -> None:
         cfg = pool.config
         self.pool = pool
         self.metrics = metrics
         self.urls = [u.rstrip("/") for u in cfg.prefill_urls]
+        # Each prefill server: a base URL, or a prefill pool of this server ("pool:NAME").
+        self.targets = [(pools or {}).get(u[5:], u) if u.startswith("pool:") else u
+                        for u in self.urls]
         self.min_tokens = cfg.remote_prefill_min_tokens
         self.in_flight = [0] * len(self.urls)
         self.down_until = [0.0] * len(self.urls)
@@ -160,8 +163,12 @@ class RemotePrefill:
     def _order(self) -> list[int]:
         """Prefill servers, best first: up before down, then by what is ahead of a new
         prompt there (sent from here and not answered, and what it last said was
-        waiting), its oldest waiting request's age, and its free KV pages."""
+        waiting), its oldest waiting request's age, and its free KV pages. (A pool of
+        this server says it as it is now.)"""
         now = time.monotonic()
+        for i, t in enumerate(self.targets):
+            if not isinstance(t, str):
+                self._note_load(i, load_headers(t))
         return sorted(range(len(self.urls)), key=lambda i: (
             self.down_until[i] > now, self.in_flight[i] + self.load[i][0],
             self.load[i][1], -self.load[i][2]))
@@ -187,6 +194,12 @@ class RemotePrefill:
         runner = engine.runner
         name, model = self.pool.name, self.pool.model_name
         for attempt, i in enumerate(self._order()[:2]):
+            outcome = "ok" if attempt == 0 else "retried"
+            if not isinstance(self.targets[i], str):
+                keys = await self._in_process(i, engine, greq, first, outcome)
+                if keys is not None:
+                    return keys
+                continue
             self.in_flight[i] += 1
             t0 = time.monotonic()
             try:
@@ -224,11 +237,41 @@ class RemotePrefill:
             except (KeyError, ValueError):
                 moved = total
             self.metrics.kv_transfer(model, name, "received", len(r.content), moved)
-            self.metrics.remote_prefill(model, name, "ok" if attempt == 0 else "retried",
-                                        total)
+            self.metrics.remote_prefill(model, name, outcome, total)
             return keys
         self.metrics.remote_prefill(model, name, "local")
         return []
+
+    async def _in_process(self, i: int, engine, greq: GenerateRequest, first: int,
+                          outcome: str) -> list[int] | None:
+        """The prompt computed by prefill pool `targets[i]` of this server: its pages
+        read out of that pool's device and into `engine`'s inbox (None: it failed).
+        Raises an APIError when that pool refuses (429)."""
+        target = self.targets[i]
+        name, model = self.pool.name, self.pool.model_name
+        self.in_flight[i] += 1
+        t0 = time.monotonic()
+        try:
+            _, kv = await compute(target, prefill_request(
+                greq.prompt_ids, first, tenant=greq.tenant, priority=greq.priority,
+                cache_salt=greq.cache_salt))
+        except Overloaded as e:
+            self.metrics.remote_prefill(model, name, "refused")
+            raise rate_limited(f"The prefill pool is overloaded ({e.reason}); retry later.",
+                               e.retry_after_s, code="prefill_busy") from None
+        except (EngineDead, PrefillFailed, ValueError) as e:
+            self._down(i, f"{type(e).__name__}: {e}")
+            self.metrics.remote_prefill(model, name, "failed")
+            return None
+        finally:
+            self.in_flight[i] -= 1
+        t1 = time.monotonic()
+        pages = await trio.to_thread.run_sync(kv.to_host)
+        keys = engine.receive_pages(greq, first, pages)
+        now = time.monotonic()
+        self.metrics.kv_transfer(model, name, "received", kv.nbytes, now - t1)
+        self.metrics.remote_prefill(model, name, outcome, now - t0)
+        return keys
 
     def _down(self, i: int, why: str) -> None:
         log.warning("prefill server %s failed (%s): tried last for %.0f s", self.urls[i], why,
@@ -252,7 +295,8 @@ async def serve_prefill(state, body: bytes, authorization: str | None
     except msgspec.DecodeError as e:
         raise bad_request(f"not a prefill request: {e}") from None
     assert state.router is not None
-    pools = [p for p in state.router.candidates(ask.model) if p.config.role == "prefill"]
+    pools = [p for p in state.router.pools
+             if p.config.role == "prefill" and ask.model in p.config.served_model_names]
     if not pools:
         raise not_found(f"no prefill pool serves {ask.model!r} here", param="model",
                         code="model_not_found")
@@ -263,13 +307,12 @@ async def serve_prefill(state, body: bytes, authorization: str | None
                           f"{pool.max_context})", param="prompt_ids")
     if any(not 0 <= t < pool.vocab_size for t in ask.prompt_ids):
         raise bad_request("prompt_ids must be token ids of the model", param="prompt_ids")
-    greq = GenerateRequest(prompt_ids=ask.prompt_ids, max_tokens=1,
-                           sampling=SamplingParams(temperature=0.0), ignore_eos=True,
-                           tenant=tenant.name, priority=tenant.priority_for(ask.priority),
-                           cache_salt=tenant.cache_salt, export_pages_from=ask.first_page)
+    greq = prefill_request(ask.prompt_ids, ask.first_page, tenant=tenant.name,
+                           priority=tenant.priority_for(ask.priority),
+                           cache_salt=tenant.cache_salt)
     t0 = time.monotonic()
     try:
-        replica, handle = pool.submit(greq)
+        replica, kv = await compute(pool, greq)
     except Overloaded as e:
         err = rate_limited(f"The prefill server is overloaded ({e.reason}).",
                            e.retry_after_s, code=e.reason)
@@ -279,25 +322,46 @@ async def serve_prefill(state, body: bytes, authorization: str | None
         raise unavailable(f"The engine has stopped: {e}", "engine_dead") from None
     except ValueError as e:
         raise bad_request(f"{e}.", param="prompt_ids") from None
+    except PrefillFailed as e:
+        raise unavailable(f"prefill failed: {e}", "prefill_failed") from None
+    t1 = time.monotonic()
+    runner = pool.engines[replica].runner
+    out = await trio.to_thread.run_sync(lambda: encode(
+        kv.to_host(), fingerprint=runner.kv_fingerprint, first_page=ask.first_page))
+    copy_s = time.monotonic() - t1
+    state.metrics.kv_transfer(pool.model_name, pool.name, "sent", len(out), copy_s)
+    return out, {PREFILL_S: f"{t1 - t0:.6f}", COPY_S: f"{copy_s:.6f}", **load_headers(pool)}
+
+
+def prefill_request(prompt_ids, first_page: int, **kw) -> GenerateRequest:
+    """The one-token request that computes a prompt for a decode pool and exports its
+    full pages from `first_page` on."""
+    return GenerateRequest(prompt_ids=prompt_ids, max_tokens=1,
+                           sampling=SamplingParams(temperature=0.0), ignore_eos=True,
+                           export_pages_from=first_page, **kw)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill pool took the prompt and could not compute or export it."""
+
+
+async def compute(pool, greq: GenerateRequest) -> tuple[int, Any]:
+    """Run a `prefill_request` in a prefill pool: (replica, its `ExportedPages`).
+    Raises what `Pool.submit` raises, or `PrefillFailed`. Cancelled (the asker gone), it
+    aborts the request: its pages go back at once."""
+    replica, handle = pool.submit(greq)
     try:
         final = None
         async for event in handle.events:
             if isinstance(event, (FinishEvent, ErrorEvent)):
                 final = event
-    finally:  # a disconnect (cancelled here) aborts it: its pages go back at once
+    finally:
         pool.finish(replica, handle.request_id)
     if isinstance(final, ErrorEvent) or final is None:
-        raise unavailable(f"prefill failed: {getattr(final, 'message', 'no result')}",
-                          "prefill_failed")
+        raise PrefillFailed(getattr(final, "message", "no result"))
     if final.kv is None:
-        raise unavailable("prefill failed: its pages could not be copied out", "prefill_failed")
-    t1 = time.monotonic()
-    runner = pool.engines[replica].runner
-    out = await trio.to_thread.run_sync(lambda: encode(
-        final.kv.to_host(), fingerprint=runner.kv_fingerprint, first_page=ask.first_page))
-    copy_s = time.monotonic() - t1
-    state.metrics.kv_transfer(pool.model_name, pool.name, "sent", len(out), copy_s)
-    return out, {PREFILL_S: f"{t1 - t0:.6f}", COPY_S: f"{copy_s:.6f}", **load_headers(pool)}
+        raise PrefillFailed("its pages could not be copied out")
+    return replica, final.kv
 
 
 def load_headers(pool) -> dict[str, str]:
@@ -310,7 +374,9 @@ def load_headers(pool) -> dict[str, str]:
 
 
 def check_roles(pools) -> None:
-    """A prefill or decode pool needs what transfers need (else a ValueError naming it)."""
+    """A prefill or decode pool needs what transfers need, and a decode pool's prefill
+    pools in this server the same model and page layout (else a ValueError naming it)."""
+    by_name = {p.name: p for p in pools}
     for pool in pools:
         if pool.config.role == "both":
             continue
@@ -320,3 +386,14 @@ def check_roles(pools) -> None:
                     runner, "export_pages"):
                 raise ValueError(f"pools[{pool.name}].role = {pool.config.role!r}: this "
                                  "runner cannot move KV pages (multi-host replica?)")
+        mine = pool.engines[0].runner
+        for u in pool.config.prefill_urls:
+            other = by_name.get(u[5:]) if u.startswith("pool:") else None
+            if other is None:
+                continue
+            theirs = other.engines[0].runner
+            if (theirs.kv_fingerprint, theirs.page_shape) != (mine.kv_fingerprint,
+                                                              mine.page_shape):
+                raise ValueError(f"pools[{pool.name}].prefill_urls: {u} runs another model "
+                                 "or KV layout (weights, quantization, KV dtype, page size "
+                                 "must match)")

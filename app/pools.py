@@ -213,8 +213,10 @@ class Router:
         """Pools serving `model`, a base model or an adapter (None: the first pool's
         model), or 404."""
         if model is None:
-            return self.by_name[self.pools[0].model_name]
+            model = self.pools[0].model_name
         found = self.by_name.get(model) or [p for p in self.pools if model in p.adapters]
+        # A prefill pool computes prompts for the decode pools beside it, not for clients.
+        found = [p for p in found if p.config.role != "prefill"] or found
         if not found:
             adapters = [a for p in self.pools for a in p.adapters.by_name]
             raise not_found(

@@ -225,7 +225,8 @@ async def run_server(
                 disagg.check_roles(pools)
                 for pool in pools:
                     if pool.config.role == "decode":
-                        pool.remote = disagg.RemotePrefill(pool, state.metrics)
+                        pool.remote = disagg.RemotePrefill(
+                            pool, state.metrics, {p.name: p for p in pools})
                 for pool in pools:
                     await nursery.start(pool.run)
                 state.ready(Router(pools))

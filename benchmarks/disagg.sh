@@ -6,7 +6,9 @@
 #          (XLA's host platform split in two; the router spreads requests over them);
 #   apart: a prefill server on core 0 (`--role prefill`) and a decode server on core 1
 #          (`--role decode --prefill-url ...`), each the default preset, one process
-#          each (taskset), the clients on the decode server.
+#          each (taskset), the clients on the decode server;
+#   apart1p: both in one server, a prefill pool on CPU device 0 and a decode pool on
+#          device 1 (`prefill_urls = ["pool:prefill"]`; their steps share XLA's threads).
 # Prints one JSON line per layout: the short streams' ITL p95 before, during the long
 # prompt's prefill and while it decodes, their ratios, the long request's TTFT, output
 # tok/s, and (apart) the transfer's bytes and seconds. Logs and raw results under OUT.
@@ -55,6 +57,26 @@ bench apart
 curl -s "$PURL/metrics" > "$OUT/prefill-metrics.txt"
 stop
 
+cat > "$OUT/apart1p.toml" <<'TOML'
+[[pools]]
+name = "prefill"
+role = "prefill"
+devices = [0]
+[[pools]]
+name = "decode"
+role = "decode"
+prefill_urls = ["pool:prefill"]
+devices = [1]
+TOML
+XLA_FLAGS="--xla_force_host_platform_device_count=2 ${XLA_FLAGS:-}" \
+  SLUICE_DATA_DIR="$OUT/store-apart1p" .venv/bin/sluice serve --config "$OUT/apart1p.toml" \
+  --port "$PORT" > "$OUT/apart1p.log" 2>&1 &
+PIDS=$!
+ready "$URL"
+bench apart1p
+cp "$OUT/apart1p-metrics.txt" "$OUT/apart1p-prefill-metrics.txt"
+stop
+
 .venv/bin/python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -68,7 +90,7 @@ def metric(text, name, **labels):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
-for layout in ("both", "apart"):
+for layout in ("both", "apart", "apart1p"):
     r = json.loads((out / f"{layout}.json").read_text())
     i = r["long_interference"]
     m = (out / f"{layout}-metrics.txt").read_text()
@@ -81,8 +103,9 @@ for layout in ("both", "apart"):
            "long_ttft_s": i["long"]["ttft_s"], "long_e2e_s": i["long"]["e2e_s"],
            "output_tok_s": r["throughput"]["output_tokens_per_s"],
            "ttft_p95_s": r["ttft_s"]["p95"], "itl_p95_s": r["itl_s"]["p95"]}
-    if layout == "apart":
-        p = (out / "prefill-metrics.txt").read_text()
+    if layout != "both":
+        p = (out / ("prefill-metrics.txt" if layout == "apart"
+                    else "apart1p-prefill-metrics.txt")).read_text()
         n = metric(m, "sluice:remote_prefill_seconds_count")
         row["remote_prefills"] = n
         row["transfer_bytes"] = metric(m, "sluice:kv_transfer_bytes_total", direction="received")

@@ -266,12 +266,13 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_disk_dir: str | None = None
     kv_disk_bytes: NonNegative = 4 * 1024 * 1024 * 1024
     # Disaggregated prefill and decode (docs/operations.md, "Prefill and decode apart"):
-    # a "prefill" pool computes prompts for decode pools in other servers (POST
-    # /internal/prefill: the prompt's KV pages back, no answer); a "decode" pool sends
-    # every prompt with at least `remote_prefill_min_tokens` tokens it has not cached to
-    # one of `prefill_urls` (least in flight first; another, then its own replica, when
-    # one cannot be reached), takes the pages into its pool and streams the answer.
-    # "both": prefill and decode here, as one replica does.
+    # a "prefill" pool computes prompts for decode pools (in other servers: POST
+    # /internal/prefill, the prompt's KV pages back; in this one, named "pool:NAME");
+    # a "decode" pool sends every prompt with at least `remote_prefill_min_tokens` tokens
+    # it has not cached to one of `prefill_urls` (least loaded first; another, then its
+    # own replica, when one fails), takes the pages into its pool and streams the answer.
+    # "both": prefill and decode here, as one replica does. A prefill pool in the same
+    # server as a decode pool of its model takes no client requests.
     role: Literal["both", "prefill", "decode"] = "both"
     prefill_urls: list[str] = []
     remote_prefill_min_tokens: NonNegative = 256
@@ -303,8 +304,10 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "prefill servers' base URLs)")
         if self.prefill_urls and self.role != "decode":
             raise ValueError(f"pools[{self.name}].prefill_urls is for role = \"decode\"")
-        if bad := [u for u in self.prefill_urls if not u.startswith(("http://", "https://"))]:
-            raise ValueError(f"pools[{self.name}].prefill_urls: not an http(s) URL: {bad[0]}")
+        if bad := [u for u in self.prefill_urls
+                   if not u.startswith(("http://", "https://", "pool:"))]:
+            raise ValueError(f"pools[{self.name}].prefill_urls: not an http(s) URL or "
+                             f"pool:NAME: {bad[0]}")
         odd = [b for b in self.prefill_buckets if b % 16]
         if odd:
             raise ValueError(f"prefill_buckets must be multiples of 16 (the attention's "
@@ -422,6 +425,15 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ValueError(f"duplicate {what}: {', '.join(dup)}")
+        by_name = {p.name: p for p in self.pools}
+        for p in self.pools:
+            for u in p.prefill_urls:
+                if not u.startswith("pool:"):
+                    continue
+                other = by_name.get(u[len("pool:"):])
+                if other is None or other.role != "prefill" or other.model != p.model:
+                    raise ValueError(f"pools[{p.name}].prefill_urls: {u} is not a pool of "
+                                     f"role \"prefill\" serving {p.model}")
         pinned = [p for p in self.pools if p.devices is not None]
         for i, a in enumerate(pinned):
             for b in pinned[i + 1:]:

@@ -169,8 +169,9 @@ class Engine(Delivery):
         if not self._alive:
             raise EngineDead(f"engine {self.name!r} is dead")
         self._seed_costs()
-        self.admission.precheck(step_ends_at=self._step_ends_at, pending=pending,
-                                max_tokens=max_tokens)
+        # Prompts a prefill replica is computing for this one come here next.
+        self.admission.precheck(step_ends_at=self._step_ends_at,
+                                pending=pending + self._in_transit, max_tokens=max_tokens)
 
     def _seed_costs(self) -> None:
         """The runner's timed warm-up runs, as they come, into the step-cost model."""
@@ -273,7 +274,7 @@ class Engine(Delivery):
         if not self._alive:
             raise EngineDead(f"engine {self.name!r} is dead")
         self.admission.validate(req)
-        self.precheck(self._in_transit, req.max_tokens)
+        self.precheck(0, req.max_tokens)
         pages = self.scheduler.pages
         need = pages.pages_for(len(req.prompt_ids) + 1)
         if need > self.free_pages:

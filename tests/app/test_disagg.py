@@ -125,7 +125,7 @@ async def complete(http: httpx.AsyncClient, prompt: str, max_tokens: int = 12) -
 
 def inbox_pages(state) -> int:
     return sum(e.runner.kv_store.inbox.num_pages for p in state.router.pools
-               for e in p.engines)
+               for e in p.engines if p.config.role == "decode")
 
 
 async def test_tokens_equal_one_replica_and_held_pages_are_not_sent_again():
@@ -161,6 +161,43 @@ async def test_tokens_equal_one_replica_and_held_pages_are_not_sent_again():
             ptext = (await httpx.AsyncClient(base_url=str(
                 state.router.pools[0].remote.urls[0])).get("/metrics")).text
             assert metric(ptext, "sluice:kv_transfer_bytes_total", direction="sent") > 0
+
+
+async def test_a_prefill_pool_in_the_same_server_computes_the_decode_pools_prompts():
+    async with real_server(settings(pool())) as (url, state):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            alone = [(await complete(http, p))["choices"][0]["text"] for p in PROMPTS]
+    import msgspec
+    both = Settings(server=ServerConfig(port=0, console=False), batches=BatchConfig(
+        enabled=False), pools=[
+            msgspec.structs.replace(pool("prefill"), name="prefill"),
+            msgspec.structs.replace(pool("decode", prefill_urls=["pool:prefill"],
+                                         remote_prefill_min_tokens=0), name="decode")])
+    async with real_server(both) as (url, state):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            apart = [(await complete(http, p))["choices"][0]["text"] for p in PROMPTS]
+            assert apart == alone
+            text = (await http.get("/metrics")).text
+            await settle(state)
+        assert metric(text, "sluice:remote_prefill_requests_total", outcome="ok") == 5
+        assert metric(text, "sluice:kv_transfer_bytes_total", direction="received") > 0
+        prefill, decode = state.router.pools
+        # Clients went to the decode pool; the prefill pool only computed its prompts.
+        assert sum(s.generation_tokens for s in prefill.stats()) == 5
+        assert sum(s.generation_tokens for s in decode.stats()) == 5 * 12
+        assert pages_in_use(state) == 0 and inbox_pages(state) == 0
+
+
+def test_a_decode_pool_names_a_prefill_pool_of_its_model():
+    import msgspec
+    decode = pool("decode", prefill_urls=["pool:pre"])
+    with pytest.raises(ValueError, match="pool:pre is not a pool of role"):
+        Settings(pools=[decode])
+    with pytest.raises(ValueError, match="pool:pre is not a pool of role"):
+        Settings(pools=[msgspec.structs.replace(pool(), name="pre"), decode])
+    Settings(pools=[msgspec.structs.replace(pool("prefill"), name="pre"), decode])
+    with pytest.raises(ValueError, match="needs prefill_urls"):
+        pool("decode")
 
 
 def slow_steps(state, seconds: float) -> None:
