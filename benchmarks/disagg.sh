@@ -6,7 +6,8 @@
 #          (XLA's host platform split in two; the router spreads requests over them);
 #   apart: a prefill server on core 0 (`--role prefill`) and a decode server on core 1
 #          (`--role decode --prefill-url ...`), each the default preset, one process
-#          each (taskset), the clients on the decode server;
+#          each (taskset), the clients on the decode server (the client process itself
+#          runs on core 0 in every layout, so it never takes the decode core's time);
 #   apart1p: both in one server, a prefill pool on CPU device 0 and a decode pool on
 #          device 1 (`prefill_urls = ["pool:prefill"]`; their steps share XLA's threads).
 # Prints one JSON line per layout: the short streams' ITL p95 before, during the long
@@ -24,9 +25,9 @@ ready() {  # URL: every step shape compiled
 }
 PIDS=""
 trap 'kill -INT $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
-bench() {  # layout
-  .venv/bin/sluice bench --url "$URL" --workload long-interference --long-max-tokens 256 \
-    > "$OUT/$1.json"
+bench() {  # layout (the client on core 0: apart, never on the decode server's core)
+  taskset -c 0 .venv/bin/sluice bench --url "$URL" --workload long-interference \
+    --long-max-tokens 256 > "$OUT/$1.json"
   curl -s "$URL/metrics" > "$OUT/$1-metrics.txt"
 }
 stop() {
@@ -34,15 +35,18 @@ stop() {
   wait $PIDS 2>/dev/null || true
   PIDS=""
 }
+two_devices() {  # layout config: one server over two CPU devices, then bench it
+  XLA_FLAGS="--xla_force_host_platform_device_count=2 ${XLA_FLAGS:-}" \
+    SLUICE_DATA_DIR="$OUT/store-$1" .venv/bin/sluice serve --config "$2" --port "$PORT" \
+    > "$OUT/$1.log" 2>&1 &
+  PIDS=$!
+  ready "$URL"
+  bench "$1"
+}
 
 sed -e 's/^replicas = 1/replicas = 2/' -e 's/^# devices = \[0, 1\] /devices = [0, 1] /' \
   config/default.toml > "$OUT/both.toml"
-XLA_FLAGS="--xla_force_host_platform_device_count=2 ${XLA_FLAGS:-}" \
-  SLUICE_DATA_DIR="$OUT/store-both" .venv/bin/sluice serve --config "$OUT/both.toml" \
-  --port "$PORT" > "$OUT/both.log" 2>&1 &
-PIDS=$!
-ready "$URL"
-bench both
+two_devices both "$OUT/both.toml"
 stop
 
 SLUICE_DATA_DIR="$OUT/store-prefill" taskset -c 0 .venv/bin/sluice serve --role prefill \
@@ -68,12 +72,7 @@ role = "decode"
 prefill_urls = ["pool:prefill"]
 devices = [1]
 TOML
-XLA_FLAGS="--xla_force_host_platform_device_count=2 ${XLA_FLAGS:-}" \
-  SLUICE_DATA_DIR="$OUT/store-apart1p" .venv/bin/sluice serve --config "$OUT/apart1p.toml" \
-  --port "$PORT" > "$OUT/apart1p.log" 2>&1 &
-PIDS=$!
-ready "$URL"
-bench apart1p
+two_devices apart1p "$OUT/apart1p.toml"
 cp "$OUT/apart1p-metrics.txt" "$OUT/apart1p-prefill-metrics.txt"
 stop
 
