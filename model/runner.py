@@ -112,7 +112,8 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         kv_disk_dir: str | None = None,
         kv_disk_bytes: int = 0,
         window_pool: bool | int = True,
-        kv_inbox: bool = False,
+        kv_inbox: bool = False,  # a decode replica: prefilled pages come in (app/disagg.py)
+        kv_transfers: bool = False,  # pages move between replicas (a prefill or decode pool)
     ) -> None:
         # Where it runs: None, JAX's default device; else these, tensor parallel over them.
         tp_n = len(devices) if devices else 1
@@ -163,11 +164,15 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                                sliding=tuple(cfg.windowed), window_pool=self.window_pool)
         self.kv_bytes = self.pool.rows * layer_bytes
         # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
-        # Names the weights and page layout: disk tier files, transfers between replicas.
-        try:
-            self.kv_fingerprint: str | None = self._fingerprint(params, quantization)
-        except Exception:  # noqa: BLE001 - weights not all on this host (multi-host)
-            self.kv_fingerprint = None
+        # Names the weights and page layout: disk tier files, transfers between replicas
+        # (None: neither is used, or the weights are not all on this host: multi-host).
+        self.kv_fingerprint: str | None = None
+        if kv_disk_dir or kv_transfers:
+            try:
+                self.kv_fingerprint = self._fingerprint(params, quantization)
+            except Exception:  # noqa: BLE001 - checked where it is needed
+                if kv_disk_dir:
+                    raise
         self.kv_store = self._tier_store(params, quantization, kv_host_bytes, kv_disk_dir,
                                          kv_disk_bytes, kv_inbox) if kv_host_bytes else None
         self._swaps: tuple[Callable, Callable] | None = None
@@ -281,7 +286,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                        *([f"replica-{replica}"] if replica is not None else [])),
                    kv_disk_bytes=pool.kv_disk_bytes,
                    window_pool=pool.window_pages and pool.role == "both",
-                   kv_inbox=pool.role == "decode")
+                   kv_inbox=pool.role == "decode", kv_transfers=pool.role != "both")
 
     # ------------------------------------------------------------------------ adapters
     def add_adapter(self, adapter) -> None:
