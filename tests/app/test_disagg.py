@@ -272,6 +272,39 @@ async def test_a_decode_server_short_of_pages_refuses_before_the_prefill():
             assert metric(ptext, "sluice:prompt_tokens_total") == 0  # never prefilled
 
 
+async def test_bad_asks_get_openai_shaped_errors_and_a_full_prefill_server_a_429():
+    import msgspec
+    full = msgspec.structs.replace(pool("prefill"), scheduler=SchedulerConfig(
+        max_running=4, max_waiting=0, ttft_target_s=0.0))  # every prompt refused
+    async with real_server(settings(full)) as (purl, pstate):
+        async with httpx.AsyncClient(base_url=purl, timeout=30) as ph:
+            for body, status, param in (
+                    (b"\x01not msgpack", 400, None),
+                    (msgspec.msgpack.encode({"model": "nope", "prompt_ids": [1, 2]}), 404,
+                     "model"),
+                    (msgspec.msgpack.encode({"model": MODEL, "prompt_ids": []}), 400,
+                     "prompt_ids"),
+                    (msgspec.msgpack.encode({"model": MODEL, "prompt_ids": [1, 10 ** 9]}),
+                     400, "prompt_ids")):
+                r = await ph.post(disagg.PATH, content=body)
+                assert r.status_code == status, r.text
+                assert r.json()["error"]["param"] == param, r.text
+            r = await ph.post(disagg.PATH, content=msgspec.msgpack.encode(
+                {"model": MODEL, "prompt_ids": list(range(40))}))
+            assert r.status_code == 429 and "Retry-After" in r.headers, r.text
+            assert disagg.WAITING in r.headers  # its load, for the decode servers' choice
+        decode = pool("decode", prefill_urls=[purl], remote_prefill_min_tokens=0)
+        async with real_server(settings(decode)) as (url, state):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                r = await http.post("/v1/completions", json={
+                    "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 4})
+                assert r.status_code == 429 and "Retry-After" in r.headers, r.text
+                assert r.json()["error"]["code"] == "prefill_busy"
+                await complete(http, "short")  # computed here: the server goes on
+            await settle(state)
+            assert pages_in_use(state) == 0 and pages_in_use(pstate) == 0
+
+
 # -- a real second process ---------------------------------------------------------------------
 PREFILL_TOML = """
 [[pools]]
