@@ -16,9 +16,10 @@ prefill server, a Sluice process whose pool has `role = "prefill"`:
   page and the first token are computed on the decode side (a few tokens, beside its
   decodes), so the tokens are exactly those one replica would give (the pages are
   bit-identical: the same program computed them).
-- Transport: HTTP (httpx to hypercorn), one message per prompt (`Wire`: msgpack, the
-  model's fingerprint, the page layout, a CRC-32 of the pages' bytes); across hosts the
-  same, behind whatever network the fleet has.
+- Transport: HTTP (httpx to hypercorn), one message per prompt (app/kv_wire.py: msgpack,
+  the model's fingerprint, the page layout, a CRC-32 of the pages' bytes); across hosts
+  the same, behind whatever network the fleet has. A prefill pool of the same server
+  (`"pool:NAME"`) is asked directly, its pages read out to host memory and handed over.
 - The decode side checks its room first (queue, TTFT of what is ahead, free pages for
   the prompt: `Engine.check_room`), so a prompt is never computed and then dropped for
   want of pages. The prefill server's own door may refuse (429): the client gets it.
@@ -37,95 +38,22 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from typing import Any
 
 import httpx
 import msgspec
-import numpy as np
 import trio
 
 from scheduler.api import (EngineDead, ErrorEvent, FinishEvent, GenerateRequest, Overloaded,
                            SamplingParams)
 
 from .errors import bad_request, not_found, rate_limited, unavailable
+from .kv_wire import (COPY_S, FREE_PAGES, OLDEST, PATH, PREFILL_S, WAITING,
+                      PrefillAsk, WireError, ask_decoder, ask_encoder, decode, encode)
 
 log = logging.getLogger("sluice.disagg")
 
-PATH = "/internal/prefill"
-CONTENT_TYPE = "application/vnd.sluice.kv+msgpack"
 _DOWN_S = 5.0  # a prefill server that failed is tried last for this long
-# The prefill server's answer: its compute and copy-out seconds, and its load.
-PREFILL_S, COPY_S = "x-sluice-prefill-seconds", "x-sluice-copy-seconds"
-WAITING, OLDEST, FREE_PAGES = "x-sluice-waiting", "x-sluice-oldest-waiting-s", "x-sluice-kv-free-pages"
-
-
-class PrefillAsk(msgspec.Struct, frozen=True):
-    """A decode server's request: compute this prompt, send its full pages from
-    `first_page` on."""
-
-    model: str
-    prompt_ids: list[int]
-    first_page: int = 0
-    priority: int = 0
-
-
-_ask_encoder = msgspec.msgpack.Encoder()
-_ask_decoder = msgspec.msgpack.Decoder(PrefillAsk)
-WIRE_VERSION = 1
-
-
-class Wire(msgspec.Struct, frozen=True):
-    """One prefill's answer between processes."""
-
-    version: int
-    fingerprint: str  # the model and page layout (model/kv_tiers.model_fingerprint)
-    first_page: int  # index of the first page sent in the prompt's pages
-    shape: tuple[int, ...]  # [n, K/V, layer, position, kv head, row]
-    dtype: str  # numpy dtype name
-    crc32: int
-    data: bytes
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Wire)
-
-
-def encode(pages: np.ndarray, *, fingerprint: str, first_page: int) -> bytes:
-    data = np.ascontiguousarray(pages).tobytes()
-    return _encoder.encode(Wire(WIRE_VERSION, fingerprint, first_page, tuple(pages.shape),
-                                pages.dtype.name if pages.dtype.names is None else pages.dtype.str,
-                                zlib.crc32(data), data))
-
-
-class WireError(ValueError):
-    """A message that is not what this replica can take (say why)."""
-
-
-def decode(message: bytes, *, fingerprint: str, page_shape: tuple[int, ...],
-           dtype: Any) -> tuple[int, np.ndarray]:
-    """(first page index, pages [n, *page_shape]) of a message, checked
-    against this replica's model and page layout, or `WireError`."""
-    try:
-        w = _decoder.decode(message)
-    except msgspec.DecodeError as e:
-        raise WireError(f"not a KV transfer message: {e}") from None
-    if w.version != WIRE_VERSION:
-        raise WireError(f"KV transfer version {w.version}, this server reads {WIRE_VERSION}")
-    if w.fingerprint != fingerprint:
-        raise WireError(f"the prefill server runs another model or KV layout "
-                        f"({w.fingerprint} != {fingerprint})")
-    dt = np.dtype(dtype)
-    if tuple(w.shape[1:]) != tuple(page_shape) or w.dtype not in (dt.name, dt.str):
-        raise WireError(f"pages of {w.shape[1:]} {w.dtype}, this pool's are "
-                        f"{tuple(page_shape)} {dt.name}")
-    if zlib.crc32(w.data) != w.crc32:
-        raise WireError("KV transfer payload failed its checksum")
-    n = w.shape[0] if w.shape else 0
-    if len(w.data) != n * int(np.prod(page_shape)) * dt.itemsize or w.first_page < 0:
-        raise WireError("KV transfer payload has the wrong length")
-    pages = np.frombuffer(w.data, dt).reshape(n, *page_shape)
-    return w.first_page, pages
 
 
 class RemotePrefill:
@@ -186,7 +114,7 @@ class RemotePrefill:
         inbox; returns their keys. [] when no prefill server could (computed here then).
         Raises an APIError for a refusal the client should see (429: the prefill tier
         is full)."""
-        ask = _ask_encoder.encode(PrefillAsk(self.pool.model_name, list(greq.prompt_ids),
+        ask = ask_encoder.encode(PrefillAsk(self.pool.model_name, list(greq.prompt_ids),
                                              first, greq.priority))
         headers = {"Content-Type": "application/msgpack"}
         if authorization:
@@ -291,7 +219,7 @@ async def serve_prefill(state, body: bytes, authorization: str | None
     is (`load_headers`; a 429 carries those too)."""
     tenant = state.tenants.authenticate(authorization)
     try:
-        ask = _ask_decoder.decode(body)
+        ask = ask_decoder.decode(body)
     except msgspec.DecodeError as e:
         raise bad_request(f"not a prefill request: {e}") from None
     assert state.router is not None

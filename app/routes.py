@@ -14,7 +14,7 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from . import disagg, responses
+from . import disagg, kv_wire, responses
 from .adapters import check_admin, is_admin, load_adapter, unload_adapter
 from .batches.routes import register_batch_routes
 from .console import register_console
@@ -71,13 +71,13 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
         resp.timeout = None  # an SSE stream lasts as long as the generation does
         return resp
 
-    @app.post(disagg.PATH)
+    @app.post(kv_wire.PATH)
     async def internal_prefill() -> Response:
         check_phase(state)
         body = await request.get_data(cache=False)
         out, headers = await disagg.serve_prefill(state, body,
                                                   request.headers.get("Authorization"))
-        return Response(out, content_type=disagg.CONTENT_TYPE, headers=headers)
+        return Response(out, content_type=kv_wire.CONTENT_TYPE, headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

@@ -17,13 +17,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import trio
 
+from app import disagg, kv_wire
 from app.bench.spawn import free_port, wait_healthy
 from config.settings import BatchConfig, PoolConfig, SchedulerConfig, ServerConfig, Settings
-from app import disagg
 from model import kv_transfer
 from tests.app.test_faults import pages_in_use, settle
 from tests.app.test_kv_tiers_server import metric
@@ -38,21 +39,21 @@ PROMPTS = [f"Customer {i}: " + "the keeper opens the gates one at a time. " * (5
 # -- the wire and the inbox --------------------------------------------------------------------
 def test_pages_cross_the_wire_intact_and_a_wrong_one_is_refused():
     pages = np.random.default_rng(0).standard_normal((3, *SHAPE)).astype(np.float32)
-    msg = disagg.encode(pages, fingerprint="fp", first_page=4)
-    first, got = disagg.decode(msg, fingerprint="fp", page_shape=SHAPE,
+    msg = kv_wire.encode(pages, fingerprint="fp", first_page=4)
+    first, got = kv_wire.decode(msg, fingerprint="fp", page_shape=SHAPE,
                                        dtype=np.float32)
     assert first == 4 and np.array_equal(got, pages)
-    with pytest.raises(disagg.WireError, match="another model"):
-        disagg.decode(msg, fingerprint="other", page_shape=SHAPE, dtype=np.float32)
-    with pytest.raises(disagg.WireError, match="pages of"):
-        disagg.decode(msg, fingerprint="fp", page_shape=SHAPE, dtype=np.int8)
+    with pytest.raises(kv_wire.WireError, match="another model"):
+        kv_wire.decode(msg, fingerprint="other", page_shape=SHAPE, dtype=np.float32)
+    with pytest.raises(kv_wire.WireError, match="pages of"):
+        kv_wire.decode(msg, fingerprint="fp", page_shape=SHAPE, dtype=np.int8)
     broken = bytearray(msg)
     broken[len(msg) // 2] ^= 0xFF  # a payload byte
-    with pytest.raises(disagg.WireError, match="checksum"):
-        disagg.decode(bytes(broken), fingerprint="fp", page_shape=SHAPE,
+    with pytest.raises(kv_wire.WireError, match="checksum"):
+        kv_wire.decode(bytes(broken), fingerprint="fp", page_shape=SHAPE,
                            dtype=np.float32)
-    with pytest.raises(disagg.WireError, match="not a KV transfer"):
-        disagg.decode(b"\x01garbage", fingerprint="fp", page_shape=SHAPE,
+    with pytest.raises(kv_wire.WireError, match="not a KV transfer"):
+        kv_wire.decode(b"\x01garbage", fingerprint="fp", page_shape=SHAPE,
                            dtype=np.float32)
 
 
@@ -80,8 +81,8 @@ def test_the_prefill_server_with_least_ahead_goes_first_and_a_failed_one_last():
     assert remote._order() == [1, 2, 0]
     remote.down_until[1] = time.monotonic() + 5
     assert remote._order() == [2, 0, 1]
-    remote._note_load(0, {disagg.WAITING: "0", disagg.OLDEST: "0.0",
-                          disagg.FREE_PAGES: "500"})
+    remote._note_load(0, {kv_wire.WAITING: "0", kv_wire.OLDEST: "0.0",
+                          kv_wire.FREE_PAGES: "500"})
     assert remote._order() == [0, 2, 1]
 
 
@@ -167,7 +168,6 @@ async def test_a_prefill_pool_in_the_same_server_computes_the_decode_pools_promp
     async with real_server(settings(pool())) as (url, state):
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             alone = [(await complete(http, p))["choices"][0]["text"] for p in PROMPTS]
-    import msgspec
     both = Settings(server=ServerConfig(port=0, console=False), batches=BatchConfig(
         enabled=False), pools=[
             msgspec.structs.replace(pool("prefill"), name="prefill"),
@@ -189,7 +189,6 @@ async def test_a_prefill_pool_in_the_same_server_computes_the_decode_pools_promp
 
 
 def test_a_decode_pool_names_a_prefill_pool_of_its_model():
-    import msgspec
     decode = pool("decode", prefill_urls=["pool:pre"])
     with pytest.raises(ValueError, match="pool:pre is not a pool of role"):
         Settings(pools=[decode])
@@ -255,7 +254,6 @@ async def test_cancel_during_prefill_and_during_decode_leaves_no_page_on_either_
 async def test_a_decode_server_short_of_pages_refuses_before_the_prefill():
     async with real_server(settings(pool("prefill"))) as (purl, pstate):
         small = pool("decode", prefill_urls=[purl], remote_prefill_min_tokens=0)
-        import msgspec
         small = msgspec.structs.replace(small, kv_cache_bytes=40 * 16 * 2048)  # ~40 pages
         async with real_server(settings(small)) as (url, state):
             engine = state.router.pools[0].engines[0]
@@ -273,7 +271,6 @@ async def test_a_decode_server_short_of_pages_refuses_before_the_prefill():
 
 
 async def test_bad_asks_get_openai_shaped_errors_and_a_full_prefill_server_a_429():
-    import msgspec
     full = msgspec.structs.replace(pool("prefill"), scheduler=SchedulerConfig(
         max_running=4, max_waiting=0, ttft_target_s=0.0))  # every prompt refused
     async with real_server(settings(full)) as (purl, pstate):
@@ -286,13 +283,13 @@ async def test_bad_asks_get_openai_shaped_errors_and_a_full_prefill_server_a_429
                      "prompt_ids"),
                     (msgspec.msgpack.encode({"model": MODEL, "prompt_ids": [1, 10 ** 9]}),
                      400, "prompt_ids")):
-                r = await ph.post(disagg.PATH, content=body)
+                r = await ph.post(kv_wire.PATH, content=body)
                 assert r.status_code == status, r.text
                 assert r.json()["error"]["param"] == param, r.text
-            r = await ph.post(disagg.PATH, content=msgspec.msgpack.encode(
+            r = await ph.post(kv_wire.PATH, content=msgspec.msgpack.encode(
                 {"model": MODEL, "prompt_ids": list(range(40))}))
             assert r.status_code == 429 and "Retry-After" in r.headers, r.text
-            assert disagg.WAITING in r.headers  # its load, for the decode servers' choice
+            assert kv_wire.WAITING in r.headers  # its load, for the decode servers' choice
         decode = pool("decode", prefill_urls=[purl], remote_prefill_min_tokens=0)
         async with real_server(settings(decode)) as (url, state):
             async with httpx.AsyncClient(base_url=url, timeout=30) as http:
