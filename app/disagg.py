@@ -19,7 +19,9 @@ prefill server, a Sluice process whose pool has `role = "prefill"`:
 - Transport: HTTP (httpx to hypercorn), one message per prompt (app/kv_wire.py: msgpack,
   the model's fingerprint, the page layout, a CRC-32 of the pages' bytes); across hosts
   the same, behind whatever network the fleet has. A prefill pool of the same server
-  (`"pool:NAME"`) is asked directly, its pages read out to host memory and handed over.
+  (`"pool:NAME"`) is asked directly, and its pages go device to device: `jax.device_put`
+  onto the decode replica's pool sharding, scattered into fresh pages of its pool by its
+  next step and cached there (`Engine.import_pages`), so the prompt is a device hit.
 - The decode side checks its room first (queue, TTFT of what is ahead, free pages for
   the prompt: `Engine.check_room`), so a prompt is never computed and then dropped for
   want of pages. The prefill server's own door may refuse (429): the client gets it.
@@ -173,8 +175,10 @@ class RemotePrefill:
     async def _in_process(self, i: int, engine, greq: GenerateRequest, first: int,
                           outcome: str) -> list[int] | None:
         """The prompt computed by prefill pool `targets[i]` of this server: its pages
-        read out of that pool's device and into `engine`'s inbox (None: it failed).
-        Raises an APIError when that pool refuses (429)."""
+        put onto `engine`'s devices and into its pool by its next step (`import_pages`),
+        or, when the pool has no room for them now, read out to the host and into its
+        inbox; the inbox keys ([] for an import), or None: it failed. Raises an APIError
+        when that pool refuses (429)."""
         target = self.targets[i]
         name, model = self.pool.name, self.pool.model_name
         self.in_flight[i] += 1
@@ -194,8 +198,10 @@ class RemotePrefill:
         finally:
             self.in_flight[i] -= 1
         t1 = time.monotonic()
-        pages = await trio.to_thread.run_sync(kv.to_host)
-        keys = engine.receive_pages(greq, first, pages)
+        keys: list[int] = []
+        if not engine.import_pages(greq, first, kv):  # device to device, into its pool
+            pages = await trio.to_thread.run_sync(kv.to_host)  # no room there: the inbox
+            keys = engine.receive_pages(greq, first, pages)
         now = time.monotonic()
         self.metrics.kv_transfer(model, name, "received", kv.nbytes, now - t1)
         self.metrics.remote_prefill(model, name, outcome, now - t0)

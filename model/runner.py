@@ -503,7 +503,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
     def _launch(self, plan: StepPlan) -> Launched | StepResult:
         t0 = time.perf_counter()
         swap_s = 0.0
-        if plan.swap_out or plan.swap_in:
+        if plan.swap_out or plan.swap_in or plan.imports:
             swap_s = self._run_swaps(plan)
         if plan.copies:
             self._run_copies(plan.copies)
@@ -570,6 +570,8 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             part = plan.swap_out[i:i + SWAP_BUCKET]
             k, v = self._dev_swap_out(self._page_rows([p for p, _, _, _ in part]))
             store.queued([s for _, s, _, _ in part], k, v, [(key, meta) for _, _, key, meta in part])
+        for pages, data in plan.imports:  # another replica's pages, moved onto this pool's
+            self._import(pages, data)     # devices (after the copies down that free them)
         t0 = time.perf_counter()
         for i in range(0, len(plan.swap_in), SWAP_BUCKET):
             part = plan.swap_in[i:i + SWAP_BUCKET]
@@ -591,6 +593,18 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                 store.persist(k, v, [(key, meta) for _, key, meta in part])
         store.disk.flush(timeout=60.0)
         return len(entries)
+
+    def _import(self, pages: list[int], data: ExportedPages) -> None:
+        """An `export_pages` result of another runner into `pages` of this pool: each
+        gather's output put onto this pool's sharding (`jax.device_put`: a device-to-
+        device copy where the two replicas' devices differ, none where they are the
+        same) and scattered in by the copy-up program, in stream order."""
+        sharding = self.kv[0].sharding
+        j = 0
+        for k, v, n in data.parts:
+            k, v = jax.device_put((k, v), sharding)
+            self._dev_swap_in(self._page_rows(pages[j:j + n]), k, v)
+            j += n
 
     def _page_rows(self, pages: list[int]) -> np.ndarray:
         """Pool rows of `pages` in every layer, layer-major, padded to `SWAP_BUCKET` pages

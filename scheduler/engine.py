@@ -300,6 +300,15 @@ class Engine(Delivery):
         self._wakeup.set()
         return [key for key, _, _ in entries]
 
+    def import_pages(self, req: GenerateRequest, first: int, data: Any) -> int:
+        """Pages a prefill replica of this process computed for `req`'s prompt (page
+        `first` on, its runner's `export_pages` result), written straight into this
+        replica's pool by its next step and cached (`PageAllocator.adopt`); returns how
+        many (0: no room: `receive_pages` them instead)."""
+        n = self.scheduler.pages.adopt(self._probe(req), first, data)
+        self._wakeup.set()
+        return n
+
     def discard_pages(self, keys: list[int]) -> None:
         if keys:
             self.runner.kv_store.inbox.discard(keys)

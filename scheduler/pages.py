@@ -45,7 +45,7 @@ import hashlib
 import struct
 from array import array
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Container, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Container, Iterable, Iterator
 
 from .request import Phase, Sequence
 
@@ -88,6 +88,7 @@ class PageAllocator:
         self.tiers: KVTiers | None = None
         self.swap_out: list[tuple[int, int, int, tuple]] = []  # (page, slot, key, meta)
         self.swap_in: list[tuple[int, int]] = []  # (host slot, page)
+        self.imports: list[tuple[list[int], Any]] = []  # pages another replica computed
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -253,6 +254,29 @@ class PageAllocator:
         held = [p for p in range(1, self.num_pages)
                 if self.ref[p] and self._key_of[p] is not None]
         return [(p, self._key_of[p], self._meta[p]) for p in (*self._lru, *held)]
+
+    def adopt(self, seq: Sequence, first: int, data: Any) -> int:
+        """Pages another replica computed for `seq`'s prompt, pages ``[first, first +
+        data.num_pages)`` (an `export_pages` result): fresh pages of this pool, cached
+        under their keys now and written by the next plan's `imports` before any of its
+        chunks (held until that plan is built: nothing evicts them before they are
+        written). Returns the pages cached (0: no room, or no prefix cache); one whose
+        prefix is cached already is written but not cached, and freed."""
+        n = data.num_pages
+        if not self.prefix_cache or n <= 0 or n > self.num_available:
+            return 0
+        ids = self.allocate(n)
+        added = self.register(seq, first, first + n, [0] * first + ids)
+        self.imports.append((ids, data))
+        return len(added)
+
+    def take_imports(self) -> list[tuple[list[int], Any]]:
+        """The pages adopted since the last call, for the next `StepPlan` (their hold is
+        let go: from the plan on they are cached pages like any other)."""
+        out, self.imports = self.imports, []
+        for ids, _ in out:
+            self.release(ids)
+        return out
 
     def take_swaps(self) -> tuple[list, list]:
         """The copies down and up planned since the last call, for the next `StepPlan`."""

@@ -282,7 +282,10 @@ class Scheduler(ChunkSizing, ItlPlanning, Queries, Speculation, StepBooks):
 
         plan = batch.plan
         plan.swap_out, plan.swap_in = self.pages.take_swaps()
-        if not (batch.seqs or plan.copies or plan.swap_out or plan.swap_in):
+        if self.pages.imports:  # a failed launch forgets the pages cached for them
+            plan.imports = self.pages.take_imports()
+            batch.registered += [p for ids, _ in plan.imports for p in ids]
+        if not (batch.seqs or plan.copies or plan.swap_out or plan.swap_in or plan.imports):
             return None
         batch.why = self._why(batch, itl_budget, reasons)
         self.plans[batch.why] += 1

@@ -117,6 +117,10 @@ class StepPlan:
     # the disk tier), and host slots copied up into device pages (slot, page).
     swap_out: list[tuple[int, int, int, tuple]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Pages another replica computed (disaggregated prefill, app/disagg.py), written into
+    # fresh pages of this pool between the copies down and up: (pages, the exporting
+    # runner's `export_pages` result, whose pages go to `pages` in order).
+    imports: list[tuple[list[int], Any]] = field(default_factory=list)
     adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter)
     # (src, dst) copies of the sliding layers' own pages (`SeqChunk.window_table`), run
     # beside `copies`.

@@ -186,6 +186,23 @@ async def test_a_prefill_pool_in_the_same_server_computes_the_decode_pools_promp
         assert sum(s.generation_tokens for s in prefill.stats()) == 5
         assert sum(s.generation_tokens for s in decode.stats()) == 5 * 12
         assert pages_in_use(state) == 0 and inbox_pages(state) == 0
+        # The pages went straight into the decode pool (device hits), not through the host.
+        assert decode.engines[0].runner.kv_store.inbox.received_pages == 0
+        assert sum(s.prefix_cache_hits_tokens for s in decode.stats()) >= sum(
+            len(p) // 16 * 16 for p in PROMPTS) - 5 * 16
+
+
+def test_pools_on_their_own_devices_move_pages_device_to_device():
+    """A prefill pool on devices 0-1 and a decode pool on 2-3 of one server (tensor
+    parallel over each pair): the pages go onto the decode pool's sharding and into its
+    pool (device hits, nothing through the host inbox), the answers as one pool's."""
+    from tests.model.test_tp import run_forced
+
+    (report,) = run_forced("tests.app.disagg_devices_check")
+    assert report["prefill_kv_devices"] == [0, 1] and report["decode_kv_devices"] == [2, 3]
+    assert report["apart"] == report["alone"]
+    assert report["inbox_received"] == 0
+    assert report["decode_prefix_hits"] >= sum(len(p) // 16 * 16 for p in PROMPTS) - 5 * 16
 
 
 def test_a_decode_pool_names_a_prefill_pool_of_its_model():
