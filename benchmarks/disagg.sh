@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prefill and decode apart against both on each replica, on the same two cores: the
 # long-interference workload (`sluice bench --workload long-interference`: 4 short streams
-# in a closed loop, then a 6,000-token prompt answered with 256 tokens) against
+# in a closed loop for WARMUP seconds (30: the "before" ITL over ~3,000 gaps), then a
+# 6,000-token prompt answered with 256 tokens) against
 #   both:  one server, the default preset with two replicas, one per CPU device
 #          (XLA's host platform split in two; the router spreads requests over them);
 #   apart: a prefill server on core 0 (`--role prefill`) and a decode server on core 1
@@ -27,7 +28,7 @@ PIDS=""
 trap 'kill -INT $PIDS 2>/dev/null; wait 2>/dev/null' EXIT
 bench() {  # layout (the client on core 0: apart, never on the decode server's core)
   taskset -c 0 .venv/bin/sluice bench --url "$URL" --workload long-interference \
-    --long-max-tokens 256 > "$OUT/$1.json"
+    --long-max-tokens 256 --warmup "${WARMUP:-30}" > "$OUT/$1.json"
   curl -s "$URL/metrics" > "$OUT/$1-metrics.txt"
 }
 stop() {

@@ -2,10 +2,12 @@
 
 A prefill replica computes a prompt and its runner's `export_pages` queues a copy of the
 prompt's full pages (`ExportedPages`: the swap programs' gather, behind the steps already
-launched). Whoever receives them (app/disagg.py) calls `to_host` off the event loop and
-sends them on (its wire format: a header that names the model and the page layout, a
-CRC-32, the pages' bytes); the decode side checks them and `deposit`s them in its
-replica's `Inbox`.
+launched). A decode replica of the same process takes them as they are: its runner puts
+each gather's output onto its own pool's sharding and scatters it into fresh pages
+(`ModelRunner._import`, run for the plan's `imports`). Across processes, the prefill
+server calls `to_host` off the event loop and sends them on (app/kv_wire.py: a header
+that names the model and the page layout, a CRC-32, the pages' bytes); the decode side
+checks them and `deposit`s them in its replica's `Inbox`.
 
 The inbox is the decode replica's disk tier as the KV tiers see it (model/kv_tiers.py,
 scheduler/kv_tiers.py): a container of page keys whose `take` yields a page. A prompt

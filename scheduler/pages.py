@@ -33,9 +33,12 @@ With tiers below the device (scheduler/kv_tiers.py, `tiers`), evicting a cached 
 moves it down: the page's (page, host slot, key, meta) joins `swap_out`, which the policy
 moves into the next `StepPlan` (the runner copies it out before that step writes
 anything), and `take_up` gives a prompt fresh pages for the pages it found in the host
-tier, each (host slot, page) into `swap_in`.
+tier, each (host slot, page) into `swap_in`. Pages another replica of the process computed
+(disaggregated prefill) are `adopt`ed: fresh pages cached under their keys at once, held
+until the next plan takes them as `imports` (written before its chunks), then cached
+pages like any other.
 
-(About 450 lines: allocation, the prefix cache, its hand-over to the tiers below and
+(About 480 lines: allocation, the prefix cache, its hand-over to the tiers below and
 the audit share the three-state books above and are kept together.)
 """
 
