@@ -304,7 +304,7 @@ class Engine(Delivery):
         """Pages a prefill replica of this process computed for `req`'s prompt (page
         `first` on, its runner's `export_pages` result), written straight into this
         replica's pool by its next step and cached (`PageAllocator.adopt`); returns how
-        many (0: no room: `receive_pages` them instead)."""
+        many it took (0: no room now: `receive_pages` them instead)."""
         n = self.scheduler.pages.adopt(self._probe(req), first, data)
         self._wakeup.set()
         return n

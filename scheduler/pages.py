@@ -263,15 +263,15 @@ class PageAllocator:
         data.num_pages)`` (an `export_pages` result): fresh pages of this pool, cached
         under their keys now and written by the next plan's `imports` before any of its
         chunks (held until that plan is built: nothing evicts them before they are
-        written). Returns the pages cached (0: no room, or no prefix cache); one whose
+        written). Returns the pages taken (0: no room, or no prefix cache); one whose
         prefix is cached already is written but not cached, and freed."""
         n = data.num_pages
         if not self.prefix_cache or n <= 0 or n > self.num_available:
             return 0
         ids = self.allocate(n)
-        added = self.register(seq, first, first + n, [0] * first + ids)
+        self.register(seq, first, first + n, [0] * first + ids)
         self.imports.append((ids, data))
-        return len(added)
+        return n
 
     def take_imports(self) -> list[tuple[list[int], Any]]:
         """The pages adopted since the last call, for the next `StepPlan` (their hold is

@@ -57,6 +57,38 @@ def test_prefix_hit_shares_pages_and_salt_isolates():
     assert alloc.match(d) == a.kv_pages[:1]
 
 
+def test_adopted_pages_are_held_until_a_plan_takes_them_then_cached():
+    """Pages another replica computed (disaggregated prefill): cached under the prompt's
+    keys at once (a hit for its request), never evicted before the plan that writes them
+    is built, then cached pages like any other; one already cached here is written but
+    freed."""
+    from types import SimpleNamespace
+
+    alloc = PageAllocator(9, 4)
+    a = make_seq(range(10))  # pages 0-1 full
+    data = SimpleNamespace(num_pages=2)
+    assert alloc.adopt(a, 0, data) == 2
+    b = make_seq([*range(8), 50])
+    assert len(alloc.match(b)) == 2  # hits right away
+    ids = alloc.imports[0][0]
+    assert alloc.num_in_use == 2 and alloc.num_available == 6  # held: not evictable
+    with pytest.raises(RuntimeError):
+        alloc.allocate(7)
+    (taken,) = alloc.take_imports()
+    assert taken == (ids, data) and alloc.imports == []
+    assert alloc.num_in_use == 0 and alloc.num_cached == 2
+    alloc.check([])
+    # The same prefix again, from page 1 on: page 1 is cached already, so its new copy
+    # is written and freed; page 2 is new.
+    c = make_seq(range(13))
+    assert alloc.adopt(c, 1, SimpleNamespace(num_pages=2)) == 2
+    alloc.take_imports()
+    assert alloc.num_cached == 3 and alloc.num_in_use == 0
+    alloc.check([])
+    assert alloc.adopt(c, 0, SimpleNamespace(num_pages=9)) == 0  # no room: nothing taken
+    assert alloc.imports == []
+
+
 def test_hash_collision_is_not_a_hit(monkeypatch):
     alloc = PageAllocator(16, 2)
     a = make_seq([1, 2])
