@@ -185,6 +185,13 @@ async def test_a_prefill_pool_in_the_same_server_computes_the_decode_pools_promp
         # Clients went to the decode pool; the prefill pool only computed its prompts.
         assert sum(s.generation_tokens for s in prefill.stats()) == 5
         assert sum(s.generation_tokens for s in decode.stats()) == 5 * 12
+        # Several prompts at once: the prefill pool computes their chunks in shared steps.
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(complete, http, f"batch {i} " + PROMPTS[4], 2)
+        await settle(state)
+        assert any(len(r.prefilled) >= 2 for r in prefill.engines[0].step_records)
         assert pages_in_use(state) == 0 and inbox_pages(state) == 0
         # The pages went straight into the decode pool (device hits), not through the host.
         assert decode.engines[0].runner.kv_store.inbox.received_pages == 0
