@@ -308,12 +308,15 @@ def _refused(e: Overloaded) -> APIError:
 async def _prefill_remotely(pool: Pool, greq: GenerateRequest, flight: Flight,
                             authorization: str | None) -> int | None:
     """A decode pool's prompt to a prefill server (app/disagg.py): the replica whose
-    inbox holds its pages (submit there), or None when it is computed here."""
-    replica = pool.least_busy()
+    inbox holds its pages (submit there), or None when it is computed here. A prompt
+    whose prefix another prompt's prefill is bringing waits for it and goes where it
+    went."""
+    followed = await pool.remote.follow(greq)
+    replica = pool.least_busy() if followed is None else followed
     engine = pool.engines[replica]
     first = pool.remote.first_page(engine, greq)
     if first is None:
-        return None
+        return followed  # computed here (where the pages it waited for are, if any)
     try:
         reserved = engine.reserve_room(greq)
     except Overloaded as e:

@@ -12,7 +12,8 @@ prefill server, a Sluice process whose pool has `role = "prefill"`:
     is computed here; the answer streams from here
 
 - What is sent: the prompt's full pages past those the decode replica already holds
-  (its pool or KV tiers: a cached system prompt is never sent again). The last partial
+  (its pool or KV tiers: a cached system prompt is never sent again), and not those
+  another prompt's prefill is bringing: that prompt waits for them (`follow`). The last partial
   page and the first token are computed on the decode side (a few tokens, beside its
   decodes), so the tokens are exactly those one replica would give (the pages are
   bit-identical: the same program computed them).
@@ -74,6 +75,8 @@ class RemotePrefill:
         self.down_until = [0.0] * len(self.urls)
         # What each last said of its load: (waiting, oldest waiting age s, free pages).
         self.load = [(0, 0.0, 0)] * len(self.urls)
+        # Pages on their way to a replica: (id(engine), page key) -> set when they are in.
+        self._transit: dict[tuple[int, int], trio.Event] = {}
         # Server to server: no proxy from the environment in between.
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(
             cfg.remote_prefill_timeout_s, connect=5.0), trust_env=False)
@@ -89,6 +92,26 @@ class RemotePrefill:
         if len(greq.prompt_ids) - held * ps < max(self.min_tokens, 2 * ps):
             return None
         return held
+
+    async def follow(self, greq: GenerateRequest) -> int | None:
+        """A prompt whose next missing page another prompt's prefill is bringing to a
+        replica (a burst sharing a new system prompt): wait for those pages there and
+        return that replica (then only what is still missing is asked for). None: no
+        such prefill in flight. Waits again if the next pages are on their way too."""
+        engines = self.pool.engines
+        keys = engines[0].prompt_page_keys(greq)
+        followed = None
+        while True:
+            for i, engine in enumerate(engines):
+                held = engine.held_prompt_pages(greq)
+                event = (self._transit.get((id(engine), keys[held]))
+                         if held < len(keys) else None)
+                if event is not None:
+                    break
+            else:
+                return followed
+            followed = i
+            await event.wait()
 
     def _order(self) -> list[int]:
         """Prefill servers, best first: up before down, then by what is ahead of a new
@@ -116,6 +139,21 @@ class RemotePrefill:
         inbox; returns their keys. [] when no prefill server could (computed here then).
         Raises an APIError for a refusal the client should see (429: the prefill tier
         is full)."""
+        # Prompts after the same pages wait for these (`follow`) rather than ask again.
+        event = trio.Event()
+        transit = [(id(engine), key) for key in engine.prompt_page_keys(greq)[first:]]
+        for k in transit:
+            self._transit.setdefault(k, event)
+        try:
+            return await self._prefill(engine, greq, first, authorization)
+        finally:
+            for k in transit:
+                if self._transit.get(k) is event:
+                    del self._transit[k]
+            event.set()
+
+    async def _prefill(self, engine, greq: GenerateRequest, first: int,
+                       authorization: str | None) -> list[int]:
         ask = ask_encoder.encode(PrefillAsk(self.pool.model_name, list(greq.prompt_ids),
                                              first, greq.priority))
         headers = {"Content-Type": "application/msgpack"}

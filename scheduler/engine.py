@@ -261,6 +261,10 @@ class Engine(Delivery):
         for this replica elsewhere (`reserve_room`)."""
         return self.scheduler.pages.num_available - self._reserved
 
+    def prompt_page_keys(self, req: GenerateRequest) -> list[int]:
+        """The prefix-cache keys of the prompt's full pages."""
+        return [key for key, _ in self.scheduler.pages.metas_from(self._probe(req), 0)]
+
     def held_prompt_pages(self, req: GenerateRequest) -> int:
         """Leading full pages of the prompt this replica has already (its pool or a tier
         below it): a prefill replica need not send them."""

@@ -223,6 +223,37 @@ def test_a_decode_pool_names_a_prefill_pool_of_its_model():
         pool("decode")
 
 
+async def test_a_burst_on_a_new_system_prompt_prefills_it_once():
+    """Eight requests at once sharing a new system prompt: the first one's prefill
+    brings its pages, the others wait for them and then ask only for their own
+    question's; the answers are one replica's."""
+    system = "You answer for the gatekeepers' guild. " * 12
+    questions = [f"{system}Question {i}: when do the gates open?" for i in range(8)]
+    async with real_server(settings(pool())) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            alone = [(await complete(http, q, 6))["choices"][0]["text"] for q in questions]
+    async with pair() as (url, state, pstate):
+        slow_steps(pstate, 0.02)
+        got: dict[int, str] = {}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async def ask(i: int) -> None:
+                got[i] = (await complete(http, questions[i], 6))["choices"][0]["text"]
+
+            async with trio.open_nursery() as nursery:
+                for i in range(8):
+                    nursery.start_soon(ask, i)
+            text = (await http.get("/metrics")).text
+        assert [got[i] for i in range(8)] == alone
+        # The system prompt's pages crossed once; each other request asked only for the
+        # full pages of its own question (two, past the threshold of this pair).
+        assert metric(text, "sluice:remote_prefill_requests_total", outcome="ok") == 8
+        pages = len(questions[0]) // 16  # (one token a character)
+        received = state.router.pools[0].engines[0].runner.kv_store.inbox.received_pages
+        assert pages <= received <= pages + 7 * 3
+        await settle(state)
+        assert pages_in_use(state) == 0 and inbox_pages(state) == 0
+
+
 def slow_steps(state, seconds: float) -> None:
     """Every step of the server's runners takes `seconds` longer (in the step's thread)."""
     for p in state.router.pools:
