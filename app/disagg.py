@@ -13,10 +13,11 @@ prefill server, a Sluice process whose pool has `role = "prefill"`:
 
 - What is sent: the prompt's full pages past those the decode replica already holds
   (its pool or KV tiers: a cached system prompt is never sent again), and not those
-  another prompt's prefill is bringing: that prompt waits for them (`follow`). The last partial
-  page and the first token are computed on the decode side (a few tokens, beside its
-  decodes), so the tokens are exactly those one replica would give (the pages are
-  bit-identical: the same program computed them).
+  another prompt's prefill is bringing: that prompt waits for them (`follow`). The last
+  partial page and the first token are computed on the decode side (a few tokens,
+  beside its decodes), as a prefix-cache hit on one replica computes them: the tokens
+  are those one replica gives with the prompt's pages cached (with an f32 pool, cold
+  too; docs/operations.md, "Prefill and decode apart").
 - Transport: HTTP (httpx to hypercorn), one message per prompt (app/kv_wire.py: msgpack,
   the model's fingerprint, the page layout, a CRC-32 of the pages' bytes); across hosts
   the same, behind whatever network the fleet has. A prefill pool of the same server
@@ -24,8 +25,8 @@ prefill server, a Sluice process whose pool has `role = "prefill"`:
   onto the decode replica's pool sharding, scattered into fresh pages of its pool by its
   next step and cached there (`Engine.import_pages`), so the prompt is a device hit.
 - The decode side checks its room first (queue, TTFT of what is ahead, free pages for
-  the prompt: `Engine.check_room`), so a prompt is never computed and then dropped for
-  want of pages. The prefill server's own door may refuse (429): the client gets it.
+  the prompt beside those being prefilled for it: `Engine.reserve_room`), so a prompt is
+  never computed and then dropped for want of pages. The prefill server's own door may refuse (429): the client gets it.
 - Faults: a prefill server that cannot be reached, fails or times out is skipped for
   `_DOWN_S` and the prompt goes to the next one; when none is left, the decode replica
   computes it itself (counted). The client's disconnect cancels the HTTP call, which
@@ -35,6 +36,9 @@ prefill server, a Sluice process whose pool has `role = "prefill"`:
   here and unanswered, plus what it last reported waiting), then the youngest queue and
   the most free KV pages (its answers' headers); one that failed lately last. The decode
   replica: the least busy, then the one with the most free pages.
+
+(About 370 lines: the decode side's ask, its choices and faults, and the prefill side's
+answer are one exchange, read together.)
 """
 
 from __future__ import annotations
