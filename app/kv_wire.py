@@ -59,8 +59,7 @@ _decoder = msgspec.msgpack.Decoder(Wire)
 def encode(pages: np.ndarray, *, fingerprint: str, first_page: int) -> bytes:
     data = np.ascontiguousarray(pages).tobytes()
     return _encoder.encode(Wire(WIRE_VERSION, fingerprint, first_page, tuple(pages.shape),
-                                pages.dtype.name if pages.dtype.names is None else pages.dtype.str,
-                                zlib.crc32(data), data))
+                                pages.dtype.name, zlib.crc32(data), data))
 
 
 class WireError(ValueError):

@@ -163,7 +163,6 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
                                window=window, window_queries=block_q,
                                sliding=tuple(cfg.windowed), window_pool=self.window_pool)
         self.kv_bytes = self.pool.rows * layer_bytes
-        # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
         # Names the weights and page layout: disk tier files, transfers between replicas
         # (None: neither is used, or the weights are not all on this host: multi-host).
         self.kv_fingerprint: str | None = None
@@ -173,6 +172,7 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
             except Exception:  # noqa: BLE001 - checked where it is needed
                 if kv_disk_dir:
                     raise
+        # The KV tiers below the pool (model/kv_tiers.py); None: evicted pages are dropped.
         self.kv_store = self._tier_store(params, quantization, kv_host_bytes, kv_disk_dir,
                                          kv_disk_bytes, kv_inbox) if kv_host_bytes else None
         self._swaps: tuple[Callable, Callable] | None = None
@@ -586,11 +586,9 @@ class ModelRunner(StepAssembly, WarmUp, Compiling):
         store = self.kv_store
         if store is None or store.disk is None or not entries:
             return 0
-        with self._lock:
-            for i in range(0, len(entries), SWAP_BUCKET):
-                part = entries[i:i + SWAP_BUCKET]
-                k, v = self._dev_swap_out(self._page_rows([p for p, _, _ in part]))
-                store.persist(k, v, [(key, meta) for _, key, meta in part])
+        data = self.export_pages([p for p, _, _ in entries])
+        for i, (k, v, n) in zip(range(0, len(entries), SWAP_BUCKET), data.parts):
+            store.persist(k, v, [(key, meta) for _, key, meta in entries[i:i + n]])
         store.disk.flush(timeout=60.0)
         return len(entries)
 
