@@ -170,6 +170,12 @@ def lane_width() -> int:
     return load().sluice_lane_width() if available()[0] else 0
 
 
+def int8_dots() -> bool:
+    """Whether this build's attention walks score an int8 pool's keys with int8 dots
+    (AVX-512 VNNI; csrc/lane_attention.cc, `walk_vnni`)."""
+    return bool(load().sluice_lane_int8_dots(-1)) if available()[0] else False
+
+
 def fast() -> tuple[bool, str]:
     """(True, kind) where the native kernels beat XLA:CPU's f32 (AMX, AVX-512, AVX2), else
     (False, why): what "auto" settings ask before choosing int8 weights and a bf16 pool.

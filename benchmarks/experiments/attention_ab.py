@@ -10,7 +10,8 @@ A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
 never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` (or "int8")
 among them sets the runner's KV pool instead, and `"amx": false` keeps a bf16 pool's lane attention off
-the AMX tile unit (the AVX-512 path) for that variant's steps. Median of 5, ms. Prints one JSON line.
+the AMX tile unit (the AVX-512 path) for that variant's steps, and `"int8_dots": false`
+scores an int8 pool's keys in f32 instead of int8 dots (VNNI builds). Median of 5 (`--reps`), ms. Prints one JSON line.
 
     .venv/bin/python benchmarks/experiments/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
         [--cases 16+0 4+longdec]
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.runner import ModelRunner  # noqa: E402
-from pallas_kernels import native  # noqa: E402
+from cpu_kernels import native  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scheduler.protocol import SamplingParams, SeqChunk, StepPlan  # noqa: E402
 
@@ -63,7 +64,7 @@ def plan(decodes: int, chunk) -> StepPlan:
     if chunk and chunk not in ("4p", "4q"):
         own = list(range(nxt, nxt + chunk // PS + 1))
         chunks.append(SeqChunk(seq_id=99, token_ids=[7] * chunk, start_pos=SYSTEM,
-                               page_table=shared + own, sample=True, sampling=greedy))
+                               page_table=prefixes[0] + own, sample=True, sampling=greedy))
     return StepPlan(chunks)
 
 
@@ -71,21 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["native={}", 'jnp={"native": false}'])
     ap.add_argument("--cases", nargs="+", help="only these cases (e.g. 16+0 4+longdec)")
+    ap.add_argument("--reps", type=int, default=5, help="steps per variant and case")
     args = ap.parse_args(argv)
     loaded = load_model("embedded", progress=False)
     lib = native.load()
-    runners, amx = {}, {}
+    runners, amx, dots = {}, {}, {}
     for variant in args.variants:
         label, _, options = variant.partition("=")
         options = json.loads(options or "{}")
         kv = options.pop("kv_cache_dtype", "auto")  # the runner's, not the backend's
         amx[label] = options.pop("amx", True)
+        dots[label] = options.pop("int8_dots", True)
         r = ModelRunner(loaded.config, loaded.params, quantization="auto", page_size=PS,
                         kv_cache_bytes=1 << 30, max_context=8192,
                         decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=(16, 64, 256),
                         mixed_decode_buckets=(4, 16), max_prefill_seqs=1,
                         kv_cache_dtype=kv, attention_options=options)
         lib.sluice_lane_amx(int(amx[label]))
+        lib.sluice_lane_int8_dots(int(dots[label]))
         r.warmup()
         runners[label] = r
     out = {}
@@ -95,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         p = plan(decodes, chunk)
         for label, r in runners.items():
             lib.sluice_lane_amx(int(amx[label]))
+            lib.sluice_lane_int8_dots(int(dots[label]))
             r.step(p)
             r.step(p)
         times: dict[str, list[float]] = {label: [] for label in runners}
-        for _ in range(5):
+        for _ in range(args.reps):
             for label, r in runners.items():
                 lib.sluice_lane_amx(int(amx[label]))
+                lib.sluice_lane_int8_dots(int(dots[label]))
                 t = time.perf_counter()
                 r.step(p)
                 times[label].append(time.perf_counter() - t)

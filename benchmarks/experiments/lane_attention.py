@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import native  # noqa: E402
+from cpu_kernels import native  # noqa: E402
 
 P, PS, KVH, G, D, W = 1200, 16, 3, 3, 64, 400
 

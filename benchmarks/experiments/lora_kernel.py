@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.llama import _lora_delta  # noqa: E402
-from pallas_kernels import native  # noqa: E402
+from cpu_kernels import native  # noqa: E402
 
 LAYERS, SLOTS, RANK = 30, 4, 16
 GROUPS = {"qkv": (576, (576, 192, 192)), "o": (576, (576,)),

@@ -15,7 +15,10 @@
 // products run on tiles instead (`walk_amx`): scores K Q^T and values P^T V in bf16 with
 // f32 sums, the queries and the softmax weights rounded to bf16 as a GPU's flash
 // attention does; the softmax stays in vectors. An f32 pool keeps the exact vector path.
-// Without AVX-512, the AVX2 form (`walk8`) lays the lanes across vectors of 8.
+// Over an int8 pool, where the CPU has VNNI, the scores are int8 dots (`walk_vnni`: the
+// queries rounded to int8 in blocks of 32, as llama.cpp rounds them for its 8-bit key
+// cache; the keys read as stored, never widened). Without AVX-512, the AVX2 form
+// (`walk8`) lays the lanes across vectors of 8.
 //
 // sluice_prefill_attention
 //   q       f32 [S, NQ, KVH, G, D]: a block of NQ queries per row, pre-scaled by
@@ -40,9 +43,9 @@
 //           sluice_decode_attention to continue over the row's own pages.
 // D must be a multiple of 16 and at most 256.
 //
-// (About 900 lines: one walk, its AMX, AVX-512, AVX2 and portable forms, the splitting and
-// merging of long walks, and the two entry points that build its tasks; they change
-// together.)
+// (About 1,050 lines: one walk, its AMX, AVX-512 (f32 and int8 dots), AVX2 and portable
+// forms, the splitting and merging of long walks, and the two entry points that build its
+// tasks; they change together.)
 
 #include <immintrin.h>
 
@@ -260,6 +263,31 @@ inline void softmax(float* s, int64_t n, int64_t t, const __m512i* pos, __m512* 
   }
 }
 
+// acc = acc * corr + sum_i p_i v_i over a chunk's n keys (weights s [key][lane], value
+// rows vp): 16 (NV = 1) or 8 dimensions at a time, each value element broadcast against
+// every vector of weights.
+template <int NV>
+inline void values(Lanes& L, const float* const* vp, int64_t n, int64_t d, const float* s,
+                   const __m512* corr) {
+  constexpr int kDims = NV == 1 ? 16 : 8;
+  for (int64_t c = 0; c < d; c += kDims) {
+    __m512 a[NV][kDims];
+    for (int v = 0; v < NV; ++v)
+      for (int j = 0; j < kDims; ++j)
+        a[v][j] = _mm512_mul_ps(_mm512_load_ps(L.acc[c + j] + 16 * v), corr[v]);
+    for (int i = 0; i < n; ++i) {
+      __m512 pv[NV];
+      for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_ps(s + i * 16 * NV + 16 * v);
+      for (int j = 0; j < kDims; ++j) {
+        const __m512 b = _mm512_set1_ps(vp[i][c + j]);
+        for (int v = 0; v < NV; ++v) a[v][j] = _mm512_fmadd_ps(pv[v], b, a[v][j]);
+      }
+    }
+    for (int v = 0; v < NV; ++v)
+      for (int j = 0; j < kDims; ++j) _mm512_store_ps(L.acc[c + j] + 16 * v, a[v][j]);
+  }
+}
+
 // The online softmax of NV vectors of lanes over keys [t0, t1). Scores: eight keys at a
 // time, each of the d elements broadcast against every vector of queries (8 x NV
 // independent sums); values: 16 (NV = 1) or 8 dimensions at a time, each value element
@@ -267,7 +295,7 @@ inline void softmax(float* s, int64_t n, int64_t t, const __m512i* pos, __m512* 
 template <int NV, typename T>
 void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
           Lanes& L) {
-  constexpr int kKeys = 8, kDims = NV == 1 ? 16 : 8;
+  constexpr int kKeys = 8;
   constexpr bool kWiden = sizeof(T) != 4;
   const int64_t d = P.d;
   __m512i pos[NV];
@@ -301,22 +329,146 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
     }
     __m512 corr[NV];
     softmax<NV>(s, n, t, pos, m, l, corr);
-    for (int64_t c = 0; c < d; c += kDims) {  // acc = acc * corr + sum_i p_i v_i
-      __m512 a[NV][kDims];
+    values<NV>(L, vp, n, d, s, corr);
+  }
+  state_out<NV>(L, m, l);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define SLUICE_LANE_VNNI 1
+// The walk over an int8 pool where the CPU has VNNI: the scores are int8 dots. Each
+// lane's query is rounded to int8 in blocks of 32 elements, each over its own largest
+// (as llama.cpp's CPU attention rounds the query to Q8_0, the key cache's 8-bit type),
+// once a walk, and stored + 128 as the unsigned operand of vpdpbusd, 4 elements of 16
+// lanes a vector; each key's 4 elements are broadcast from the pool as they lie
+// (signed), so one instruction adds 64 products and the keys are never widened (f32
+// takes a widening and 4 FMAs for those 64). The + 128 adds 128 x (the key's sum over
+// the block), taken off per key and block (sums of at most 32 x 255 x 127: no overflow);
+// each block's sum is scaled by its query scale, the total by the key's. The values stay
+// f32 (`values`), as the other walks add them.
+// Benchmarks switch it off and on in one process (sluice_lane_int8_dots).
+std::atomic<bool> lane_int8_dots{true};
+
+constexpr int kQBlock = 32;                  // query elements sharing a scale
+constexpr int kQBlocks = kMaxD / kQBlock;
+
+struct Int8Queries {
+  alignas(64) int32_t q[kV][kMaxD / 4][16];  // [vector][elements 4g.. 4g + 3][lane], + 128
+  alignas(64) float scale[kQBlocks][kMaxLanes];
+};
+
+template <int NV>
+inline void round_queries(const Lanes& L, int64_t d, Int8Queries& Q) {
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int v = 0; v < NV; ++v)
+    for (int64_t c0 = 0, b = 0; c0 < d; c0 += kQBlock, ++b) {
+      const int64_t c1 = std::min<int64_t>(d, c0 + kQBlock);
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t c = c0; c < c1; ++c)
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_load_ps(L.qt[c] + 16 * v)));
+      const __mmask16 zero = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_EQ_OQ);
+      const __m512 scale = _mm512_mask_mov_ps(_mm512_mul_ps(mx, _mm512_set1_ps(1.f / 127)),
+                                              zero, _mm512_set1_ps(1.f));
+      _mm512_store_ps(Q.scale[b] + 16 * v, scale);
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), scale);
+      for (int64_t g = c0 / 4; g < c1 / 4; ++g) {
+        __m512i word = _mm512_setzero_si512();
+        for (int e = 0; e < 4; ++e) {
+          const __m512i x = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(
+              _mm512_mul_ps(_mm512_load_ps(L.qt[4 * g + e] + 16 * v), inv)), lo), hi);
+          word = _mm512_or_si512(word, _mm512_slli_epi32(
+              _mm512_add_epi32(x, _mm512_set1_epi32(128)), 8 * e));
+        }
+        _mm512_store_si512(Q.q[v][g], word);
+      }
+    }
+}
+
+// 128 x the sums of a pool row's int8 elements in each block of kQBlock (the + 128's
+// share of its dots with the queries' blocks).
+inline void offsets_of(const int8_t* row, int64_t d, int32_t* off) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t c = 0, b = 0; c < d; c += kQBlock, ++b) {
+    const __mmask32 m = d - c >= kQBlock ? ~__mmask32(0) : (__mmask32(1) << (d - c)) - 1;
+    const __m256i s8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones,
+                                           _mm256_maskz_loadu_epi8(m, row + c));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    off[b] = 128 * _mm_cvtsi128_si32(s4);
+  }
+}
+
+template <int NV>
+void walk_vnni(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
+               Lanes& L) {
+  constexpr int kKeys = NV == 1 ? 8 : 4;  // int and f32 sums: 2 x NV x kKeys registers
+  const int64_t d = P.d, rs = P.kvh * P.hs, groups = d / 4;
+  const int8_t* kpool = static_cast<const int8_t*>(P.k);
+  const int8_t* vpool = static_cast<const int8_t*>(P.v);
+  Int8Queries Q;
+  round_queries<NV>(L, d, Q);
+  __m512i pos[NV];
+  __m512 m[NV], l[NV];
+  state_in<NV>(L, pos, m, l);
+  alignas(64) float s[kChunk * 16 * NV];  // scores, then weights: [key][lane]
+  alignas(64) float vw[kChunk][kMaxD];    // the chunk's values widened and scaled
+  for (int64_t t = t0, n; t < t1; t += n) {
+    const int64_t at = chunk_at(P, table, h, t, t1, &n);
+    const int8_t* kr[kChunk];
+    const float* vp[kChunk];
+    int32_t off[kChunk][kQBlocks];
+    float ks[kChunk];
+    for (int i = 0; i < kChunk; ++i) {  // keys past n repeat the last (scored, unused)
+      kr[i] = kpool + at + std::min<int64_t>(i, n - 1) * rs;
+      vp[i] = vw[std::min<int64_t>(i, n - 1)];
+    }
+    for (int i = 0; i < (n + kKeys - 1) / kKeys * kKeys; ++i) {
+      offsets_of(kr[i], d, off[i]);
+      ks[i] = sluice::row_scale(kr[i], d);
+    }
+    prefetch_chunk<int8_t>(P, table, h, t + n, t1);
+    for (int i = 0; i < n; i += kKeys) {
+      __m512 f[NV][kKeys];
       for (int v = 0; v < NV; ++v)
-        for (int j = 0; j < kDims; ++j)
-          a[v][j] = _mm512_mul_ps(_mm512_load_ps(L.acc[c + j] + 16 * v), corr[v]);
-      for (int i = 0; i < n; ++i) {
-        __m512 pv[NV];
-        for (int v = 0; v < NV; ++v) pv[v] = _mm512_load_ps(s + i * 16 * NV + 16 * v);
-        for (int j = 0; j < kDims; ++j) {
-          const __m512 b = _mm512_set1_ps(vp[i][c + j]);
-          for (int v = 0; v < NV; ++v) a[v][j] = _mm512_fmadd_ps(pv[v], b, a[v][j]);
+        for (int kk = 0; kk < kKeys; ++kk) f[v][kk] = _mm512_setzero_ps();
+      for (int64_t g0 = 0, b = 0; g0 < groups; g0 += kQBlock / 4, ++b) {
+        __m512i a[NV][kKeys];
+        for (int v = 0; v < NV; ++v)
+          for (int kk = 0; kk < kKeys; ++kk) a[v][kk] = _mm512_setzero_si512();
+        for (int64_t g = g0; g < std::min<int64_t>(groups, g0 + kQBlock / 4); ++g) {
+          __m512i qv[NV];
+          for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_si512(Q.q[v][g]);
+          for (int kk = 0; kk < kKeys; ++kk) {
+            int32_t four;
+            std::memcpy(&four, kr[i + kk] + 4 * g, 4);
+            const __m512i k4 = _mm512_set1_epi32(four);
+            for (int v = 0; v < NV; ++v) a[v][kk] = _mm512_dpbusd_epi32(a[v][kk], qv[v], k4);
+          }
+        }
+        for (int v = 0; v < NV; ++v) {
+          const __m512 qs = _mm512_load_ps(Q.scale[b] + 16 * v);
+          for (int kk = 0; kk < kKeys; ++kk)
+            f[v][kk] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+                a[v][kk], _mm512_set1_epi32(off[i + kk][b]))), qs, f[v][kk]);
         }
       }
-      for (int v = 0; v < NV; ++v)
-        for (int j = 0; j < kDims; ++j) _mm512_store_ps(L.acc[c + j] + 16 * v, a[v][j]);
+      for (int kk = 0; kk < kKeys; ++kk)
+        for (int v = 0; v < NV; ++v)
+          _mm512_store_ps(s + (i + kk) * 16 * NV + 16 * v,
+                          _mm512_mul_ps(f[v][kk], _mm512_set1_ps(ks[i + kk])));
     }
+    for (int64_t i = 0; i < n; ++i) {  // the values, widened and scaled
+      const int8_t* vr = vpool + at + i * rs;
+      const __m512 vs = _mm512_set1_ps(sluice::row_scale(vr, d));
+      for (int64_t c = 0; c < d; c += 16)
+        _mm512_store_ps(vw[i] + c, _mm512_mul_ps(sluice::widen16(vr + c), vs));
+    }
+    __m512 corr[NV];
+    softmax<NV>(s, n, t, pos, m, l, corr);
+    values<NV>(L, vp, n, d, s, corr);
   }
   state_out<NV>(L, m, l);
 }
@@ -629,6 +781,14 @@ void walk_pool(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
     }
   }
 #endif
+#ifdef SLUICE_LANE_VNNI
+  if constexpr (sizeof(T) == 1)
+    if (lane_int8_dots.load(std::memory_order_relaxed)) switch (L.vectors()) {
+        case 1: return walk_vnni<1>(P, table, h, t0, t1, L);
+        case 2: return walk_vnni<2>(P, table, h, t0, t1, L);
+        default: return walk_vnni<3>(P, table, h, t0, t1, L);
+      }
+#endif
 #ifdef __AVX512F__
   switch (L.vectors()) {
     case 1: return walk<1, T>(P, table, h, t0, t1, L);
@@ -881,6 +1041,17 @@ extern "C" int sluice_lane_amx(int on) {
 #ifdef SLUICE_LANE_AMX
   if (on >= 0) lane_amx.store(on != 0);
   return lane_amx.load() && sluice::amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// Whether the walks over int8 pools score with int8 dots (VNNI: 1 where this build has
+// them and they are on); `on` >= 0 sets it (benchmarks' A/B).
+extern "C" int sluice_lane_int8_dots(int on) {
+#ifdef SLUICE_LANE_VNNI
+  if (on >= 0) lane_int8_dots.store(on != 0);
+  return lane_int8_dots.load() ? 1 : 0;
 #else
   return 0;
 #endif

@@ -101,6 +101,12 @@ class Build:
         return bool(self.lib.sluice_q8_reads_layout(layout))
 
     @property
+    def int8_dots(self) -> bool:
+        """Its attention walks score an int8 pool's keys with int8 dots (AVX-512 VNNI:
+        the queries rounded to int8 in blocks of 32)."""
+        return bool(self.lib.sluice_lane_int8_dots(-1))
+
+    @property
     def q8_rounds_to_bf16(self) -> bool:
         """The int8 matmul's dots are in bf16 (AVX-512 BF16, AMX, and the portable loop
         that matches them); the AVX2 path multiplies in f32."""

@@ -63,13 +63,30 @@ POOLS = [dict(), dict(bits=True), dict(int8=True)]
 POOL_IDS = ["f32-pool", "bf16-bits-pool", "int8-pool"]
 
 
+def _rounded_close(out, ref):
+    """Within what rounding the queries costs: to bf16 (the AMX walk, its softmax weights
+    too) or to int8 in blocks of 32 (the int8-dot walk): 2^-8 or 1/254 of their largest."""
+    out = np.asarray(out).reshape(ref.shape)
+    assert np.abs(out - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+def _exact(out, ref):
+    np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
+
+
+def _check(kind, dots: bool):
+    """How close a walk over pool `kind` comes to the dense reference: exact but where an
+    int8 pool's keys are scored with int8 dots (`dots`: the build has them)."""
+    return _rounded_close if kind.get("int8") and dots else _exact
+
+
 @pytest.mark.parametrize("kind", POOLS, ids=POOL_IDS)
 def test_each_target_prefill_matches_dense(target_build, kind):
     qg, k, v, tables, ctx, ql, ref = _case(5, 7, 0, **kind)
-    for target in (native.PREFILL_TARGET, target_build[native.PREFILL_TARGET]):
+    for target, dots in ((native.PREFILL_TARGET, native.int8_dots()),
+                         (target_build[native.PREFILL_TARGET], target_build.int8_dots)):
         out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql, target=target)
-        np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
-                                   atol=1e-5, rtol=1e-5)
+        _check(kind, dots)(out, ref)
 
 
 @pytest.mark.parametrize("kind", POOLS, ids=POOL_IDS)
@@ -80,14 +97,15 @@ def test_each_target_prefix_then_own_pages_match_dense(target_build, kind):
     rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
     rows_of[::3] = 0  # some rows walk the prefix themselves
     start = np.where(rows_of > 0, 8, 0).astype(np.int32)
-    own = (target_build[native.PREFIX_TARGET], target_build[native.ATTENTION_TARGET])
-    for pre, dec in ((native.PREFIX_TARGET, native.ATTENTION_TARGET), own):
+    own = (target_build[native.PREFIX_TARGET], target_build[native.ATTENTION_TARGET],
+           target_build.int8_dots)
+    for pre, dec, dots in ((native.PREFIX_TARGET, native.ATTENTION_TARGET,
+                            native.int8_dots()), own):
         m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
                                             np.array([8, 0], np.int32), rows_of, target=pre)
         out = native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l, acc,
                                       target=dec)
-        np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref,
-                                   atol=1e-5, rtol=1e-5)
+        _check(kind, dots)(out, ref)
 
 
 @pytest.mark.parametrize("g,int8", [(3, False), (9, False), (3, True)],
@@ -107,18 +125,12 @@ def test_long_rows_walk_in_spans_merged_and_independent_of_their_batch(g, int8):
                                         np.array([16, 0], np.int32), rows_of)
     out = np.asarray(native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l,
                                              acc))
-    np.testing.assert_allclose(out.reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
+    _check(dict(int8=int8), native.int8_dots())(out, ref)
     for r in range(4):
         one = slice(r, r + 1)
         alone = native.decode_attention(qg[one, 0], k, v, 0, tables[one], start[one],
                                         ctx[one], m[one], l[one], acc[one])
         np.testing.assert_array_equal(np.asarray(alone)[0], out[r])
-
-
-def _bf16_close(out, ref):
-    """Within what rounding the queries and the softmax weights to bf16 costs."""
-    out = np.asarray(out).reshape(ref.shape)
-    assert np.abs(out - ref).max() <= 2e-2 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("ps", [16, 4], ids=["pages-of-16", "blocks-across-pages"])
@@ -127,7 +139,7 @@ def test_amx_prefill_on_bf16_pool(noamx, ps):
     (NV = 2), causal within the block, keys gathered across pages."""
     qg, k, v, tables, ctx, ql, ref = _case(5, 7, 2, True, d=64, ps=ps, width=64 // ps * 3)
     amx = native.prefill_attention(qg, k, v, 0, tables, ctx, ql)
-    _bf16_close(amx, ref)
+    _rounded_close(amx, ref)
     out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql,
                                    target=noamx[native.PREFILL_TARGET])
     np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
@@ -143,7 +155,7 @@ def test_amx_prefix_then_own_pages_on_bf16_pool(noamx, rows):
     rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
     start = np.where(rows_of > 0, 32, 0).astype(np.int32)
     for pre, dec, check in (
-            (native.PREFIX_TARGET, native.ATTENTION_TARGET, _bf16_close),
+            (native.PREFIX_TARGET, native.ATTENTION_TARGET, _rounded_close),
             (noamx[native.PREFIX_TARGET], noamx[native.ATTENTION_TARGET],
              lambda out, ref: np.testing.assert_allclose(
                  np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5))):
@@ -159,7 +171,40 @@ def test_amx_walks_split_in_parts_read_their_blocks_in_place():
     its tail gathered; merged, within bf16's precision of the reference."""
     qg, k, v, tables, ctx, ql, ref = _case(3, 5, 4, True, d=64, ps=16, width=100)
     assert ctx.max() > 2 * 512
-    _bf16_close(native.prefill_attention(qg, k, v, 0, tables, ctx, ql), ref)
+    _rounded_close(native.prefill_attention(qg, k, v, 0, tables, ctx, ql), ref)
+
+
+@pytest.mark.parametrize("d,rows", [(64, 4), (48, 7), (64, 16)],
+                         ids=["one-vector", "two-vectors-half-block", "three-vectors"])
+def test_int8_dots_within_query_rounding_of_the_f32_walk(d, rows):
+    """Where the build scores int8 pools with int8 dots (AVX-512 VNNI), a shared prefix
+    of 100 keys and prefill blocks over it come within the queries' int8 rounding (blocks
+    of 32; d = 48 ends in a block of 16) of the same build's f32 walk, which matches the
+    dense reference exactly; the switch restores the dots."""
+    if not native.int8_dots():
+        pytest.skip("this build has no int8 dots (the CPU lacks AVX-512 VNNI)")
+    qg, k, v, tables, ctx, ql, ref = _case(rows, 3, 7, d=d, ps=16, width=10, int8=True,
+                                           ctx=[150] * rows)
+    lib = native.load()
+    shared = np.zeros((2, tables.shape[1]), np.int32)
+    shared[0, :2] = tables[0, :2]
+    rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
+    outs = {}
+    try:
+        for on in (0, 1):
+            lib.sluice_lane_int8_dots(on)
+            m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
+                                                np.array([32, 0], np.int32), rows_of)
+            outs[on] = (np.asarray(acc) / np.maximum(np.asarray(l), 1e-30)[..., None],
+                        np.asarray(native.prefill_attention(qg, k, v, 0, tables, ctx, ql)))
+    finally:
+        lib.sluice_lane_int8_dots(1)
+    assert native.int8_dots()
+    _exact(outs[0][1], ref)
+    _rounded_close(outs[1][1], ref)
+    prefix_f32, prefix_dots = outs[0][0], outs[1][0]
+    assert np.abs(prefix_dots - prefix_f32).max() <= 2e-2 * np.abs(prefix_f32).max()
+    assert np.abs(prefix_dots - prefix_f32).max() > 0  # the int8 dots were taken
 
 
 def test_the_engine_writes_int8_rows_as_the_kernels_read_them():
