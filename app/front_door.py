@@ -1,6 +1,7 @@
 """The front door: the first request on every new connection is read here, with h11, before
 hypercorn builds a protocol, a task group, timers and an ASGI scope for it. A completion
-request the precheck refuses gets its 429 from here; everything else (the request read so
+request the precheck refuses gets its 429 from here, and `GET /health` its answer
+(`ServerState.health`, what the app's route gives); everything else (the request read so
 far replayed) is hypercorn's, as if it had read it itself. A request already in whole when
 its connection is accepted (in a flood, all but the first few) is judged by the accept
 loop itself: a refusal costs no task, stream or cancel scope. A request the door passes
@@ -33,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 import h11
+import msgspec
 import trio
 from hypercorn.config import Config
 from hypercorn.trio.lifespan import Lifespan
@@ -42,7 +44,6 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 from .door import PATHS, Passes, judge
-from .errors import APIError
 from .state import ServerState
 
 log = logging.getLogger("sluice.server")
@@ -84,21 +85,25 @@ class Replayed(trio.abc.HalfCloseableStream):
         await self.stream.aclose()
 
 
+HEALTH = "health"  # `GET /health`: answered here too (below)
+
+
 def _door_kind(request: h11.Request) -> str | None:
-    """The completion kind of a request the door may answer, or None (anything else, or a
-    client waiting for `100 Continue`, which hypercorn answers)."""
-    if request.method != b"POST":
-        return None
+    """The completion kind of a request the door may answer, HEALTH, or None (anything
+    else, or a client waiting for `100 Continue`, which hypercorn answers)."""
     if any(k == b"expect" for k, _ in request.headers):
         return None
-    return PATHS.get(request.target.split(b"?", 1)[0].decode("latin-1"))
+    path = request.target.split(b"?", 1)[0].decode("latin-1")
+    if request.method == b"GET":
+        return HEALTH if path == "/health" else None
+    return PATHS.get(path) if request.method == b"POST" else None
 
 
-def _response(conn: h11.Connection, err: APIError) -> bytes:
-    body = err.body()
+def _response(conn: h11.Connection, status: int, body: bytes,
+              more: dict[str, str] | None = None) -> bytes:
     headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
-    headers += [(k.lower(), v) for k, v in err.headers.items()]
-    return (conn.send(h11.Response(status_code=err.status, headers=headers))
+    headers += [(k.lower(), v) for k, v in (more or {}).items()]
+    return (conn.send(h11.Response(status_code=status, headers=headers))
             + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
 
 
@@ -142,14 +147,25 @@ class _First:
             return False
 
     def answer(self, state: ServerState, client: tuple) -> bytes | None:
-        """The door's refusal of the whole request read, as bytes to send; None: the app's
-        (a request the precheck passed is held as ahead in its pools until the app has it:
-        `door.Passes`)."""
-        err, passed = judge(state, self.kind or "", b"".join(self.body), self.authorization)
-        if passed:
-            state.door_passes.hold(client[:2], passed, trio.current_time())
+        """The door's answer to the whole request read, as bytes to send: a refusal, or
+        /health's; None: the app's (a request the precheck passed is held as ahead in its
+        pools until the app has it: `door.Passes`)."""
         try:
-            return None if err is None else _response(self.conn, err)
+            if self.kind == HEALTH:
+                # As the app's route would answer; a liveness probe waits for no task or
+                # ASGI scope while a flood is refused (docs/benchmarks.md, "A door that
+                # says no in milliseconds"). With a per-IP limit every request counts
+                # (app/limits.py): the app's then.
+                if state.settings.server.max_connections_per_ip:
+                    return None
+                health, status = state.health()
+                return _response(self.conn, status, msgspec.json.encode(health))
+            err, passed = judge(state, self.kind or "", b"".join(self.body),
+                                self.authorization)
+            if passed:
+                state.door_passes.hold(client[:2], passed, trio.current_time())
+            return None if err is None else _response(self.conn, err.status, err.body(),
+                                                      err.headers)
         except h11.LocalProtocolError:  # (h11 will not answer this request: hypercorn may)
             return None
 

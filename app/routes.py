@@ -25,10 +25,10 @@ from .metrics import CONTENT_TYPE
 from .openapi import openapi_spec
 from .pools import Pool
 from .prompts import encode_messages, maybe_thread
-from .schemas import (DetokenizeRequest, DetokenizeResponse, Health, LoadLoraAdapterRequest,
+from .schemas import (DetokenizeRequest, DetokenizeResponse, LoadLoraAdapterRequest,
                       LoraAdapterCard, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                       UnloadLoraAdapterRequest, decode_body)
-from .state import Phase, ServerState
+from .state import ServerState
 from .stats import parse_query, report
 from .streaming import collect, sse_body
 
@@ -141,20 +141,7 @@ def register_routes(app: QuartTrio, state: ServerState, started: int) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.phase is Phase.LOADING:
-            return json_response(Health("loading"), 503)
-        if state.phase is Phase.DRAINING:
-            return json_response(Health("draining"), 503)
-        assert state.router is not None
-        deaths = [d for p in state.router.pools for d in p.deaths]
-        if not state.router.alive:  # a pool with no live replica: restart the server
-            return json_response(Health("engine_dead", "; ".join(deaths)), 503)
-        warming = sum(p.warmup_remaining for p in state.router.pools)
-        detail = f"serving; {warming} step shapes still compiling in the background" \
-            if warming else ""
-        if deaths:  # serving on the live replicas; the dead ones need a restart
-            return json_response(Health("degraded", "; ".join(deaths), warming))
-        return json_response(Health("ok", detail, warming))
+        return json_response(*state.health())
 
     @app.get("/v1/stats")
     async def stats() -> Response:

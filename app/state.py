@@ -21,6 +21,7 @@ from config.settings import Settings
 
 from .guardrails import Guardrails
 from .metrics import Metrics
+from .schemas import Health
 from .pools import Pool, Router
 from .request_log import RequestLog
 from .tenants import Lease, Tenants
@@ -125,6 +126,26 @@ class ServerState:
         self.drain_requested.set()
         if now:
             self.drain_now.set()
+
+    def health(self) -> tuple[Health, int]:
+        """What /health answers, and its status: 200 serving ("ok", or "degraded" where a
+        replica died and the others serve), 503 loading, draining or dead (a pool with no
+        live replica: restart the server). The app's route and the front door's answer
+        on a new connection (app/front_door.py) both give this."""
+        if self.phase is Phase.LOADING:
+            return Health("loading"), 503
+        if self.phase is Phase.DRAINING:
+            return Health("draining"), 503
+        assert self.router is not None
+        deaths = [d for p in self.router.pools for d in p.deaths]
+        if not self.router.alive:
+            return Health("engine_dead", "; ".join(deaths)), 503
+        warming = sum(p.warmup_remaining for p in self.router.pools)
+        if deaths:  # serving on the live replicas; the dead ones need a restart
+            return Health("degraded", "; ".join(deaths), warming), 200
+        detail = f"serving; {warming} step shapes still compiling in the background" \
+            if warming else ""
+        return Health("ok", detail, warming), 200
 
     def ready(self, router: Router) -> None:
         self.router = router

@@ -10,11 +10,13 @@ what a client waits for a 429. Admitted flood requests (16-token answers) are re
 end. Prints one JSON line: the flood's statuses, 429 latency p50/p95/p99/max, how many
 429s carried a Retry-After, 5xx, /health p50/p99 before (the baseline, same streams),
 during the flood, and while its refusals were being answered (probes sent before the last
-429 came: the same moment, without an admitted answer's streaming after it), and the 16
-streams' output tok/s and ITL p95 over the run.
+429 came: the same moment, without an admitted answer's streaming after it), /health
+requests started among the flood's own (`--health-in-flood`, the same start as the
+refusals) and the 429 p99 over theirs, and the 16 streams' output tok/s and ITL p95 over
+the run.
 
     .venv/bin/python benchmarks/flood.py URL [--flood 300] [--streams 16] [--warm-s 20]
-        [--probe-interval-s 0.01]
+        [--probe-interval-s 0.01] [--health-in-flood 15]
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Flood:
         # flood-phase probes: (sent at, seconds); compared with the refusals' own moment
         self.flood_probes: list[tuple[float, float]] = []
         self.last_refusal_at = 0.0  # when the flood's last 429 status line came
+        self.in_flood: list[float] = []  # /health requests sent among the flood's own
         self.phase = "warm"
 
     async def probe(self) -> None:
@@ -118,6 +121,13 @@ class Flood:
         retry = "retry-after" in headers or "retry-after-ms" in headers
         self.results.append((status, s, retry))
 
+    async def health_among(self) -> None:
+        """A /health request started among the flood's (`--health-in-flood` of them,
+        spread over it): the same moment as the refusals, the same client's clock."""
+        status, s, _ = await http_once(self.host, self.port, "GET", "/health")
+        if status == 200:
+            self.in_flood.append(s)
+
     async def run(self) -> dict:
         a = self.args
         load = Load(options(a.url, concurrency=a.streams, requests=10**9, warmup_requests=0))
@@ -143,8 +153,11 @@ class Flood:
                 await trio.sleep(a.baseline_s)
                 self.phase = "flood"
                 async with trio.open_nursery() as flood:
-                    for _ in range(a.flood):
+                    every = max(1, a.flood // a.health_in_flood) if a.health_in_flood else 0
+                    for i in range(a.flood):
                         flood.start_soon(self.one, flood_body)
+                        if every and i % every == every // 2:
+                            flood.start_soon(self.health_among)
                 self.phase = "done"
                 await trio.sleep(a.tail_s)
                 nursery.cancel_scope.cancel()
@@ -167,10 +180,19 @@ class Flood:
             # came): the same moment, without the admitted answers' streaming after it
             "health_while_refusing_s": dist([s for sent, s in self.flood_probes
                                              if sent <= self.last_refusal_at]),
+            "health_among_flood_s": dist(self.in_flood),
+            "ratio_429_p99_over_health_among_flood_p99": _ratio(refused, self.in_flood),
             "streams_output_tok_s": streams["output_tok_s"],
             "streams_itl_s": streams["itl_s"],
             "streams_ttft_s": streams["ttft_from_first_send_s"],
         }
+
+
+def _ratio(a: list[float], b: list[float]) -> float | None:
+    """p99 of a over p99 of b (None where either is empty)."""
+    if not a or not b:
+        return None
+    return round(dist(a)["p99"] / dist(b)["p99"], 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     # a 150-250 ms drain and the first one's offset alone moved the 429 / /health ratio
     # between 1.0 and 1.4x (docs/benchmarks.md, "A door that says no in milliseconds").
     ap.add_argument("--probe-interval-s", type=float, default=0.01)
+    # /health requests started among the flood's own requests, spread evenly: a probe on
+    # the interval starts after the flood has begun and waits only for its rest, while
+    # these start with it (the front door answers both /health and the refusals).
+    ap.add_argument("--health-in-flood", type=int, default=15)
     args = ap.parse_args(argv)
     print(json.dumps(trio.run(Flood(args).run)))
     return 0

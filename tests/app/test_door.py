@@ -208,7 +208,7 @@ async def test_a_request_already_in_when_accepted_is_answered_without_a_task(
         listening.bind(("127.0.0.1", 0))
         listening.listen(16)
         sent = [_post(payload, close=True), _post(payload),
-                b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"]
         clients = []
         for request in sent:  # all in before the loop accepts
             c = socket.create_connection(listening.getsockname())
@@ -223,17 +223,54 @@ async def test_a_request_already_in_when_accepted_is_answered_without_a_task(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(app.front_door.accept_loop, listening, srv.state, 65536,
                                hand_over, nursery)
-            closed, kept, health = clients
+            closed, kept, models = clients
             assert (await _Reader(closed).response())[0] == 429
             assert await closed.receive_some(10) == b""  # closed at once
             assert (await _Reader(kept).response())[0] == 429
             await kept.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert (await _Reader(kept).response())[0] == 204  # hypercorn's, next
-            assert (await _Reader(health).response())[0] == 204
+            assert (await _Reader(models).response())[0] == 204
             nursery.cancel_scope.cancel()
-        assert sorted(handed) == sorted([sent[2]] * 2)
+        assert sorted(handed) == sorted([sent[2], b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"])
         for c in clients:
             await c.aclose()
+
+
+async def test_the_front_door_answers_health_as_the_app_does():
+    """`GET /health` as a new connection's first request: the door's answer, the app's
+    status and JSON (the next request on the connection is hypercorn's, with its own
+    headers); loading and draining too; with a per-IP limit the app answers it (every
+    request counts there, app/limits.py)."""
+    import json
+
+    import msgspec
+
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    async with serve(settings()) as srv:
+        async def twice():
+            stream = await _open(srv)
+            async with stream:
+                await stream.send_all(health + health)
+                reader = _Reader(stream)
+                return await reader.response(), await reader.response()
+
+        door, app_ = await twice()
+        assert door[0] == app_[0] == 200
+        assert json.loads(door[2]) == json.loads(app_[2]) and json.loads(door[2])["status"] == "ok"
+        assert "date" not in door[1] and "date" in app_[1]  # the door's, then hypercorn's
+        from app.state import Phase
+        srv.state.phase = Phase.DRAINING
+        door, app_ = await twice()
+        assert door[0] == app_[0] == 503 and json.loads(door[2])["status"] == "draining"
+        srv.state.phase = Phase.LOADING
+        door, app_ = await twice()
+        assert door[0] == app_[0] == 503 and json.loads(door[2])["status"] == "loading"
+        srv.state.phase = Phase.READY
+        ours = srv.state.settings
+        srv.state.settings = msgspec.structs.replace(ours, server=msgspec.structs.replace(
+            ours.server, max_connections_per_ip=64))
+        door, app_ = await twice()
+        assert door[0] == 200 and "date" in door[1]  # hypercorn's: the door passed it on
 
 
 async def test_clients_that_reset_before_they_are_accepted_cost_nothing():
