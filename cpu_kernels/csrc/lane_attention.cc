@@ -17,7 +17,8 @@
 // attention does; the softmax stays in vectors. An f32 pool keeps the exact vector path.
 // Over an int8 pool, where the CPU has VNNI, the scores are int8 dots (`walk_vnni`: the
 // queries rounded to int8 in blocks of 32, as llama.cpp rounds them for its 8-bit key
-// cache; the keys read as stored, never widened). Without AVX-512, the AVX2 form
+// cache; the keys read as stored, never widened), and with AVX-512 BF16 the values are
+// added two keys an instruction (the weights rounded to bf16). Without AVX-512, the AVX2 form
 // (`walk8`) lays the lanes across vectors of 8.
 //
 // sluice_prefill_attention
@@ -43,7 +44,7 @@
 //           sluice_decode_attention to continue over the row's own pages.
 // D must be a multiple of 16 and at most 256.
 //
-// (About 1,050 lines: one walk, its AMX, AVX-512 (f32 and int8 dots), AVX2 and portable
+// (About 1,130 lines: one walk, its AMX, AVX-512 (f32 and int8 dots), AVX2 and portable
 // forms, the splitting and merging of long walks, and the two entry points that build its
 // tasks; they change together.)
 
@@ -346,8 +347,10 @@ void walk(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1
 // (signed), so one instruction adds 64 products and the keys are never widened (f32
 // takes a widening and 4 FMAs for those 64). The + 128 adds 128 x (the key's sum over
 // the block), taken off per key and block (sums of at most 32 x 255 x 127: no overflow);
-// each block's sum is scaled by its query scale, the total by the key's. The values stay
-// f32 (`values`), as the other walks add them.
+// each block's sum is scaled by its query scale, the total by the key's. The values are
+// added two keys an instruction in bf16 where the CPU has AVX-512 BF16 (`values_bf16`:
+// the weights rounded to bf16, as the AMX walk and a GPU's flash attention round them),
+// else in f32 (`values`), as the other walks add them.
 // Benchmarks switch it off and on in one process (sluice_lane_int8_dots).
 std::atomic<bool> lane_int8_dots{true};
 
@@ -400,6 +403,59 @@ inline void offsets_of(const int8_t* row, int64_t d, int32_t* off) {
     off[b] = 128 * _mm_cvtsi128_si32(s4);
   }
 }
+
+#ifdef __AVX512BF16__
+#define SLUICE_VALUES_BF16 1
+// Benchmarks and tests switch it off and on in one process (sluice_lane_values_bf16).
+std::atomic<bool> values_bf16_on{true};
+// acc = acc * corr + sum_i p_i v_i over a chunk's n int8 value rows (row i at v + i * rs,
+// its scale after its d values), two keys an instruction (vdpbf16ps): each weight times
+// its row's scale rounded to bf16 (as a GPU's flash attention rounds its weights, and
+// the AMX walk here), the values exact in bf16 (integers of 8 bits), f32 sums. Weights
+// past n are taken as 0.
+template <int NV>
+inline void values_bf16(Lanes& L, const int8_t* v, int64_t rs, int64_t n, int64_t d,
+                        float* s, const __m512* corr) {
+  constexpr int kDims = NV == 1 ? 16 : 8;
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                         25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                         18, 2, 17, 1, 16, 0);
+  const int64_t np = (n + 1) / 2;
+  alignas(64) __m512i pw[kChunk / 2][NV];      // weights: key pairs, [lane][2] bf16
+  alignas(64) uint32_t vv[kChunk / 2][kMaxD];  // values: key pairs, [dim][2] bf16
+  for (int64_t k = 0; k < np; ++k) {
+    const int64_t i0 = 2 * k, i1 = std::min<int64_t>(2 * k + 1, n - 1);
+    const __m512 s0 = _mm512_set1_ps(sluice::row_scale(v + i0 * rs, d));
+    const __m512 s1 = 2 * k + 1 < n ? _mm512_set1_ps(sluice::row_scale(v + i1 * rs, d))
+                                    : _mm512_setzero_ps();
+    for (int u = 0; u < NV; ++u) {
+      const __m512 a = _mm512_mul_ps(_mm512_load_ps(s + i0 * 16 * NV + 16 * u), s0);
+      const __m512 b = _mm512_mul_ps(_mm512_load_ps(s + i1 * 16 * NV + 16 * u), s1);
+      pw[k][u] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+    for (int64_t c = 0; c < d; c += 16) {  // bf16 of an 8-bit integer: its f32's top half
+      const __m512i f0 = _mm512_castps_si512(sluice::widen16(v + i0 * rs + c));
+      const __m512i f1 = _mm512_castps_si512(sluice::widen16(v + i1 * rs + c));
+      _mm512_store_si512(vv[k] + c, _mm512_or_si512(
+          _mm512_srli_epi32(f0, 16), _mm512_and_si512(f1, _mm512_set1_epi32(-65536))));
+    }
+  }
+  for (int64_t c = 0; c < d; c += kDims) {
+    __m512 a[NV][kDims];
+    for (int u = 0; u < NV; ++u)
+      for (int j = 0; j < kDims; ++j)
+        a[u][j] = _mm512_mul_ps(_mm512_load_ps(L.acc[c + j] + 16 * u), corr[u]);
+    for (int64_t k = 0; k < np; ++k)
+      for (int j = 0; j < kDims; ++j) {
+        const __m512i b = _mm512_set1_epi32(static_cast<int32_t>(vv[k][c + j]));
+        for (int u = 0; u < NV; ++u)
+          a[u][j] = _mm512_dpbf16_ps(a[u][j], (__m512bh)pw[k][u], (__m512bh)b);
+      }
+    for (int u = 0; u < NV; ++u)
+      for (int j = 0; j < kDims; ++j) _mm512_store_ps(L.acc[c + j] + 16 * u, a[u][j]);
+  }
+}
+#endif
 
 template <int NV>
 void walk_vnni(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64_t t1,
@@ -460,6 +516,14 @@ void walk_vnni(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
           _mm512_store_ps(s + (i + kk) * 16 * NV + 16 * v,
                           _mm512_mul_ps(f[v][kk], _mm512_set1_ps(ks[i + kk])));
     }
+#ifdef SLUICE_VALUES_BF16
+    if (values_bf16_on.load(std::memory_order_relaxed)) {
+      __m512 corr[NV];
+      softmax<NV>(s, n, t, pos, m, l, corr);
+      values_bf16<NV>(L, vpool + at, rs, n, d, s, corr);
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < n; ++i) {  // the values, widened and scaled
       const int8_t* vr = vpool + at + i * rs;
       const __m512 vs = _mm512_set1_ps(sluice::row_scale(vr, d));
@@ -1048,6 +1112,16 @@ extern "C" int sluice_lane_amx(int on) {
 
 // Whether the walks over int8 pools score with int8 dots (VNNI: 1 where this build has
 // them and they are on); `on` >= 0 sets it (benchmarks' A/B).
+// Whether the int8-dot walk adds the values two keys an instruction in bf16 (AVX-512
+// BF16: 1 where this build has it and it is on); `on` >= 0 sets it.
+extern "C" int sluice_lane_values_bf16(int on) {
+#ifdef SLUICE_VALUES_BF16
+  if (on >= 0) values_bf16_on.store(on != 0);
+  return values_bf16_on.load() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 extern "C" int sluice_lane_int8_dots(int on) {
 #ifdef SLUICE_LANE_VNNI
   if (on >= 0) lane_int8_dots.store(on != 0);

@@ -178,33 +178,43 @@ def test_amx_walks_split_in_parts_read_their_blocks_in_place():
                          ids=["one-vector", "two-vectors-half-block", "three-vectors"])
 def test_int8_dots_within_query_rounding_of_the_f32_walk(d, rows):
     """Where the build scores int8 pools with int8 dots (AVX-512 VNNI), a shared prefix
-    of 100 keys and prefill blocks over it come within the queries' int8 rounding (blocks
-    of 32; d = 48 ends in a block of 16) of the same build's f32 walk, which matches the
-    dense reference exactly; the switch restores the dots."""
+    of 32 keys and prefill blocks over it (odd lengths: a chunk ends mid-pair) come within
+    the queries' int8 rounding (blocks of 32; d = 48 ends in a block of 16), with the
+    values in f32 and, where the build has AVX-512 BF16, two keys an instruction in bf16,
+    of the same build's f32 walk, which matches the dense reference exactly; the switches
+    restore the defaults."""
     if not native.int8_dots():
         pytest.skip("this build has no int8 dots (the CPU lacks AVX-512 VNNI)")
     qg, k, v, tables, ctx, ql, ref = _case(rows, 3, 7, d=d, ps=16, width=10, int8=True,
-                                           ctx=[150] * rows)
+                                           ctx=[151] * rows)
     lib = native.load()
+    bf16 = bool(lib.sluice_lane_values_bf16(-1))
     shared = np.zeros((2, tables.shape[1]), np.int32)
     shared[0, :2] = tables[0, :2]
     rows_of = np.where(ql > 0, 1, 0).astype(np.int32)
     outs = {}
     try:
-        for on in (0, 1):
-            lib.sluice_lane_int8_dots(on)
+        for dots, values in ((0, 0), (1, 0), (1, 1)):
+            lib.sluice_lane_int8_dots(dots)
+            lib.sluice_lane_values_bf16(values)
             m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
-                                                np.array([32, 0], np.int32), rows_of)
-            outs[on] = (np.asarray(acc) / np.maximum(np.asarray(l), 1e-30)[..., None],
-                        np.asarray(native.prefill_attention(qg, k, v, 0, tables, ctx, ql)))
+                                                np.array([31, 0], np.int32), rows_of)
+            outs[dots, values] = (
+                np.asarray(acc) / np.maximum(np.asarray(l), 1e-30)[..., None],
+                np.asarray(native.prefill_attention(qg, k, v, 0, tables, ctx, ql)))
     finally:
         lib.sluice_lane_int8_dots(1)
-    assert native.int8_dots()
-    _exact(outs[0][1], ref)
-    _rounded_close(outs[1][1], ref)
-    prefix_f32, prefix_dots = outs[0][0], outs[1][0]
-    assert np.abs(prefix_dots - prefix_f32).max() <= 2e-2 * np.abs(prefix_f32).max()
-    assert np.abs(prefix_dots - prefix_f32).max() > 0  # the int8 dots were taken
+        lib.sluice_lane_values_bf16(1)
+    assert native.int8_dots() and lib.sluice_lane_values_bf16(-1) == int(bf16)
+    _exact(outs[0, 0][1], ref)
+    prefix_f32 = outs[0, 0][0]
+    for key in ((1, 0), (1, 1)):
+        _rounded_close(outs[key][1], ref)
+        prefix = outs[key][0]
+        assert np.abs(prefix - prefix_f32).max() <= 2e-2 * np.abs(prefix_f32).max()
+        assert np.abs(prefix - prefix_f32).max() > 0  # the int8 dots were taken
+    if bf16:  # the bf16 values were taken
+        assert np.abs(outs[1, 1][0] - outs[1, 0][0]).max() > 0
 
 
 def test_the_engine_writes_int8_rows_as_the_kernels_read_them():

@@ -203,8 +203,12 @@ def test_runner_with_q4_1_weights_is_close_to_f32(feature_major):
     assert q4.params["head_int8"].format == Q8_0
     for rows in (1, 4):
         a, b = _step_logits(q4, rows), _step_logits(f32, rows)
-        # int8 activations, the int8 lm_head and the int8 pool: a few % of the largest logit
-        np.testing.assert_allclose(a, b, atol=0.05 * np.abs(b).max())
+        # int8 activations, the int8 lm_head and the int8 pool: a few % of the largest
+        # logit; where the lane walk scores the int8 pool with int8 dots (AVX-512 VNNI:
+        # the queries rounded to int8 too) up to ~6% on this random model of head_dim 16
+        # (the embedded model's accuracy is unchanged: docs/benchmarks.md)
+        tol = 0.075 if native.int8_dots() else 0.05
+        np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max())
         top5 = np.argsort(b, -1)[:, -5:]
         assert all(a[i].argmax() in top5[i] for i in range(rows))
 
