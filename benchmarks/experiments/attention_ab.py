@@ -10,8 +10,9 @@ A variant is `label=JSON` of `attention_options` (pallas_kernels/cpu.py), e.g.
 `jnp={"native": false}` or `min8={"min_prefix_rows": 8}`; `min_prefix_rows` 1000 means
 never (every row walks its whole context); `"kv_cache_dtype": "bfloat16"` (or "int8")
 among them sets the runner's KV pool instead, and `"amx": false` keeps a bf16 pool's lane attention off
-the AMX tile unit (the AVX-512 path) for that variant's steps, and `"int8_dots": false`
-scores an int8 pool's keys in f32 instead of int8 dots (VNNI builds). Median of 5 (`--reps`), ms. Prints one JSON line.
+the AMX tile unit (the AVX-512 path) for that variant's steps, `"int8_dots": false`
+scores an int8 pool's keys in f32 instead of int8 dots (VNNI builds), and
+`"values_bf16": false` has the int8-dot walk add the values in f32 (BF16 builds). Median of 5 (`--reps`), ms. Prints one JSON line.
 
     .venv/bin/python benchmarks/experiments/attention_ab.py [--variants 'native={}' 'jnp={"native": false}']
         [--cases 16+0 4+longdec]
@@ -76,20 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     loaded = load_model("embedded", progress=False)
     lib = native.load()
-    runners, amx, dots = {}, {}, {}
+    runners, amx, dots, vbf16 = {}, {}, {}, {}
+
+    def switch(label: str) -> None:  # the native walks' switches for this variant
+        lib.sluice_lane_amx(int(amx[label]))
+        lib.sluice_lane_int8_dots(int(dots[label]))
+        lib.sluice_lane_values_bf16(int(vbf16[label]))
+
     for variant in args.variants:
         label, _, options = variant.partition("=")
         options = json.loads(options or "{}")
         kv = options.pop("kv_cache_dtype", "auto")  # the runner's, not the backend's
         amx[label] = options.pop("amx", True)
         dots[label] = options.pop("int8_dots", True)
+        vbf16[label] = options.pop("values_bf16", True)
         r = ModelRunner(loaded.config, loaded.params, quantization="auto", page_size=PS,
                         kv_cache_bytes=1 << 30, max_context=8192,
                         decode_buckets=(1, 2, 4, 8, 16), prefill_buckets=(16, 64, 256),
                         mixed_decode_buckets=(4, 16), max_prefill_seqs=1,
                         kv_cache_dtype=kv, attention_options=options)
-        lib.sluice_lane_amx(int(amx[label]))
-        lib.sluice_lane_int8_dots(int(dots[label]))
+        switch(label)
         r.warmup()
         runners[label] = r
     out = {}
@@ -98,15 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         p = plan(decodes, chunk)
         for label, r in runners.items():
-            lib.sluice_lane_amx(int(amx[label]))
-            lib.sluice_lane_int8_dots(int(dots[label]))
+            switch(label)
             r.step(p)
             r.step(p)
         times: dict[str, list[float]] = {label: [] for label in runners}
         for _ in range(args.reps):
             for label, r in runners.items():
-                lib.sluice_lane_amx(int(amx[label]))
-                lib.sluice_lane_int8_dots(int(dots[label]))
+                switch(label)
                 t = time.perf_counter()
                 r.step(p)
                 times[label].append(time.perf_counter() - t)
