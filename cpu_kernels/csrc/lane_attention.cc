@@ -1098,34 +1098,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluicePrefixAttention, PrefixAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // l
                                   .Ret<ffi::Buffer<ffi::F32>>());  // acc
 
+namespace {
+// One of the walks' switches: `on` >= 0 sets it; whether it is on.
+[[maybe_unused]] int switched(std::atomic<bool>& flag, int on) {
+  if (on >= 0) flag.store(on != 0);
+  return flag.load() ? 1 : 0;
+}
+}  // namespace
+
 // Whether bf16 pools are read through the AMX tile unit (1 where it can be, 0 where this
 // build or the OS has none); `on` >= 0 sets it (the A/B of
 // benchmarks/experiments/attention_ab.py).
 extern "C" int sluice_lane_amx(int on) {
 #ifdef SLUICE_LANE_AMX
-  if (on >= 0) lane_amx.store(on != 0);
-  return lane_amx.load() && sluice::amx_permitted() ? 1 : 0;
+  return switched(lane_amx, on) && sluice::amx_permitted() ? 1 : 0;
 #else
   return 0;
 #endif
 }
 
 // Whether the walks over int8 pools score with int8 dots (VNNI: 1 where this build has
-// them and they are on); `on` >= 0 sets it (benchmarks' A/B).
-// Whether the int8-dot walk adds the values two keys an instruction in bf16 (AVX-512
-// BF16: 1 where this build has it and it is on); `on` >= 0 sets it.
-extern "C" int sluice_lane_values_bf16(int on) {
-#ifdef SLUICE_VALUES_BF16
-  if (on >= 0) values_bf16_on.store(on != 0);
-  return values_bf16_on.load() ? 1 : 0;
+// them and they are on); `on` >= 0 sets it (benchmarks' and tests' A/B).
+extern "C" int sluice_lane_int8_dots(int on) {
+#ifdef SLUICE_LANE_VNNI
+  return switched(lane_int8_dots, on);
 #else
   return 0;
 #endif
 }
-extern "C" int sluice_lane_int8_dots(int on) {
-#ifdef SLUICE_LANE_VNNI
-  if (on >= 0) lane_int8_dots.store(on != 0);
-  return lane_int8_dots.load() ? 1 : 0;
+
+// Whether the int8-dot walk adds the values two keys an instruction in bf16 (AVX-512
+// BF16: 1 where this build has it and it is on); `on` >= 0 sets it.
+extern "C" int sluice_lane_values_bf16(int on) {
+#ifdef SLUICE_VALUES_BF16
+  return switched(values_bf16_on, on);
 #else
   return 0;
 #endif
