@@ -152,10 +152,8 @@ class _First:
         pools until the app has it: `door.Passes`)."""
         try:
             if self.kind == HEALTH:
-                # As the app's route would answer; a liveness probe waits for no task or
-                # ASGI scope while a flood is refused (docs/benchmarks.md, "A door that
-                # says no in milliseconds"). With a per-IP limit every request counts
-                # (app/limits.py): the app's then.
+                # As the app's route would answer, without a task or ASGI scope while a
+                # flood is refused; with a per-IP limit every request counts: the app's.
                 if state.settings.server.max_connections_per_ip:
                     return None
                 health, status = state.health()

@@ -21,9 +21,9 @@ from config.settings import Settings
 
 from .guardrails import Guardrails
 from .metrics import Metrics
-from .schemas import Health
 from .pools import Pool, Router
 from .request_log import RequestLog
+from .schemas import Health
 from .tenants import Lease, Tenants
 
 

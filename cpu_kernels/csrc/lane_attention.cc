@@ -474,13 +474,10 @@ void walk_vnni(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
   for (int64_t t = t0, n; t < t1; t += n) {
     const int64_t at = chunk_at(P, table, h, t, t1, &n);
     const int8_t* kr[kChunk];
-    const float* vp[kChunk];
     int32_t off[kChunk][kQBlocks];
     float ks[kChunk];
-    for (int i = 0; i < kChunk; ++i) {  // keys past n repeat the last (scored, unused)
+    for (int i = 0; i < kChunk; ++i)  // keys past n repeat the last (scored, unused)
       kr[i] = kpool + at + std::min<int64_t>(i, n - 1) * rs;
-      vp[i] = vw[std::min<int64_t>(i, n - 1)];
-    }
     for (int i = 0; i < (n + kKeys - 1) / kKeys * kKeys; ++i) {
       offsets_of(kr[i], d, off[i]);
       ks[i] = sluice::row_scale(kr[i], d);
@@ -516,22 +513,23 @@ void walk_vnni(const Pool& P, const int32_t* table, int64_t h, int64_t t0, int64
           _mm512_store_ps(s + (i + kk) * 16 * NV + 16 * v,
                           _mm512_mul_ps(f[v][kk], _mm512_set1_ps(ks[i + kk])));
     }
+    __m512 corr[NV];
+    softmax<NV>(s, n, t, pos, m, l, corr);
 #ifdef SLUICE_VALUES_BF16
     if (values_bf16_on.load(std::memory_order_relaxed)) {
-      __m512 corr[NV];
-      softmax<NV>(s, n, t, pos, m, l, corr);
       values_bf16<NV>(L, vpool + at, rs, n, d, s, corr);
       continue;
     }
 #endif
-    for (int64_t i = 0; i < n; ++i) {  // the values, widened and scaled
+    const float* vp[kChunk];  // the values, widened and scaled (past n: the last)
+    for (int64_t i = 0; i < kChunk; ++i) {
+      vp[i] = vw[std::min<int64_t>(i, n - 1)];
+      if (i >= n) continue;
       const int8_t* vr = vpool + at + i * rs;
       const __m512 vs = _mm512_set1_ps(sluice::row_scale(vr, d));
       for (int64_t c = 0; c < d; c += 16)
         _mm512_store_ps(vw[i] + c, _mm512_mul_ps(sluice::widen16(vr + c), vs));
     }
-    __m512 corr[NV];
-    softmax<NV>(s, n, t, pos, m, l, corr);
     values<NV>(L, vp, n, d, s, corr);
   }
   state_out<NV>(L, m, l);

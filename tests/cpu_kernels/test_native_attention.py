@@ -142,7 +142,7 @@ def test_amx_prefill_on_bf16_pool(noamx, ps):
     _rounded_close(amx, ref)
     out = native.prefill_attention(qg, k, v, 0, tables, ctx, ql,
                                    target=noamx[native.PREFILL_TARGET])
-    np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5)
+    _exact(out, ref)
     if native.available()[1] == "amx":  # the tile unit's path was the one taken
         assert np.abs(np.asarray(amx) - np.asarray(out)).max() > 1e-5
 
@@ -157,8 +157,7 @@ def test_amx_prefix_then_own_pages_on_bf16_pool(noamx, rows):
     for pre, dec, check in (
             (native.PREFIX_TARGET, native.ATTENTION_TARGET, _rounded_close),
             (noamx[native.PREFIX_TARGET], noamx[native.ATTENTION_TARGET],
-             lambda out, ref: np.testing.assert_allclose(
-                 np.asarray(out).reshape(ref.shape), ref, atol=1e-5, rtol=1e-5))):
+             _exact)):
         m, l, acc = native.prefix_attention(qg[:, 0], k, v, 0, shared,
                                             np.array([32, 0], np.int32), rows_of, target=pre)
         check(native.decode_attention(qg[:, 0], k, v, 0, tables, start, ctx, m, l, acc,
